@@ -1,0 +1,1 @@
+"""Stateful interfaces rebuilt on the fmp core (adapters.apex comes first)."""

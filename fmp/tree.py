@@ -1,0 +1,139 @@
+"""Pytree utilities over optree: casts, the finite check and the branch-free select.
+
+None is treated as an empty subtree (optree's default), so a params dict may hold None
+for a parameter that has no gradient and it passes through every function here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import optree
+import torch
+
+from fmp.dtypes import dtype as _dtype
+
+__all__ = ["all_finite", "cast_tree", "floating_leaves", "select_tree"]
+
+T = TypeVar("T")
+
+
+def cast_tree(tree: T, dtype: str | torch.dtype) -> T:
+    """Cast every floating-point tensor leaf of ``tree`` to ``dtype``.
+
+    Integer and bool tensors, Python scalars, None and any other object pass through
+    unchanged. The input tree is not modified; a leaf already of ``dtype`` is returned
+    as the same tensor (no copy).
+
+    Args:
+        tree: any pytree (dicts, lists, tuples, NamedTuples, registered records).
+        dtype: a ``torch.dtype`` or a name accepted by :func:`fmp.dtype`.
+
+    Returns:
+        A new tree of the same structure.
+
+    Raises:
+        ValueError: ``dtype`` is not an accepted floating dtype.
+
+    Example:
+        >>> fmp.cast_tree({"w": torch.ones(2), "n": torch.arange(2)}, "bf16")["w"].dtype
+        torch.bfloat16
+    """
+    d = _dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != d:
+            return x.to(d)
+        return x
+
+    return optree.tree_map(cast, tree)
+
+
+def floating_leaves(tree: Any) -> list[torch.Tensor]:
+    """The floating-point tensor leaves of ``tree``, in flatten order."""
+    return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)
+            and x.is_floating_point()]
+
+
+def all_finite(tree: Any) -> torch.Tensor:
+    """Whether every floating-point tensor leaf of ``tree`` is free of inf and NaN.
+
+    One multi-tensor reduction (``torch._foreach_norm`` with ord=inf, which propagates
+    NaN and inf), then one reduction over the per-tensor results. It never calls
+    ``.item()``, so it does not synchronise the host and can be traced by
+    ``torch.compile(fullgraph=True)`` and captured in a CUDA graph.
+
+    Args:
+        tree: any pytree; non-floating leaves are ignored.
+
+    Returns:
+        A 0-d bool tensor on the leaves' device (CPU for a tree with no floating
+        leaves, and then True).
+
+    Example:
+        >>> fmp.all_finite({"a": torch.ones(3), "b": torch.tensor([float("nan")])})
+        tensor(False)
+    """
+    leaves = floating_leaves(tree)
+    if not leaves:
+        return torch.ones((), dtype=torch.bool)
+    device = leaves[0].device
+    norms = torch._foreach_norm(leaves, float("inf"), dtype=torch.float32)
+    if any(n.device != device for n in norms):
+        norms = [n.to(device) for n in norms]
+    return torch.stack(norms).isfinite().all()
+
+
+def select_tree(pred: torch.Tensor, on_true: T, on_false: T) -> T:
+    """Leafwise ``torch.where(pred, a, b)`` over two trees of the same structure.
+
+    Tensor leaves are selected on the device, without a host sync. Non-tensor leaves
+    (Python numbers, strings) must be equal in both trees and are kept.
+
+    Args:
+        pred: a 0-d bool tensor.
+        on_true: the tree returned where ``pred`` is True.
+        on_false: a tree of the same structure, returned where ``pred`` is False.
+
+    Returns:
+        A new tree; each tensor leaf keeps the dtype of ``on_true``'s leaf.
+
+    Raises:
+        ValueError: ``pred`` is not a 0-d bool tensor, or the trees differ in structure
+            (the message shows both structures) or in a non-tensor leaf.
+
+    Example:
+        >>> fmp.select_tree(torch.tensor(False), {"w": torch.ones(2)}, {"w": torch.zeros(2)})
+        {'w': tensor([0., 0.])}
+    """
+    if not (isinstance(pred, torch.Tensor) and pred.dtype == torch.bool and pred.dim() == 0):
+        raise ValueError(
+            f"select_tree needs a 0-d bool tensor as pred, got "
+            f"{type(pred).__name__}"
+            + (f" of dtype {pred.dtype} and shape {tuple(pred.shape)}"
+               if isinstance(pred, torch.Tensor) else "")
+        )
+    leaves_t, spec_t = optree.tree_flatten(on_true)
+    leaves_f, spec_f = optree.tree_flatten(on_false)
+    if spec_t != spec_f:
+        raise ValueError(
+            f"select_tree needs trees of one structure; on_true is {spec_t}, "
+            f"on_false is {spec_f}"
+        )
+    out = []
+    for i, (a, b) in enumerate(zip(leaves_t, leaves_f, strict=True)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            out.append(torch.where(pred, a, b.to(a.dtype) if b.dtype != a.dtype else b))
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            raise ValueError(
+                f"select_tree: leaf {i} is a tensor in one tree and "
+                f"{type(b if isinstance(a, torch.Tensor) else a).__name__} in the other"
+            )
+        else:
+            if a is not b and a != b:
+                raise ValueError(
+                    f"select_tree: non-tensor leaf {i} differs ({a!r} vs {b!r}); "
+                    "only tensor leaves can be selected"
+                )
+            out.append(a)
+    return optree.tree_unflatten(spec_t, out)
