@@ -54,7 +54,8 @@ def dtype(name_or_dtype: str | torch.dtype) -> torch.dtype:
         if name_or_dtype not in _CANONICAL:
             raise ValueError(
                 f"unsupported dtype {name_or_dtype}; accepted: "
-                f"{', '.join(str(d) for d in _CANONICAL)}"
+                f"{', '.join(str(d) for d in _CANONICAL)}, or the names "
+                f"{', '.join(DTYPE_NAMES)}"
             )
         return name_or_dtype
     if isinstance(name_or_dtype, str):
