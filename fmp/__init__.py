@@ -1,21 +1,43 @@
-"""fmp: functional mixed precision for PyTorch."""
+"""fmp: functional mixed precision for PyTorch.
 
+Pure functions over parameter pytrees (optree) on torch.func: dtype policies, loss-scale
+records, functional optimizers (``fmp.optim``) and a skip-safe train step with no host sync.
+"""
+
+from fmp import optim
 from fmp.dtypes import dtype
 from fmp.functional import functional
+from fmp.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    loss_scale_from_state_dict,
+)
 from fmp.policy import PRESETS, Policy, cast_params, get_policy, module_policies
+from fmp.step import TrainState, train_step, value_and_grad
 from fmp.tree import all_finite, cast_tree, select_tree
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
+    "DynamicLossScale",
+    "LossScale",
+    "NoOpLossScale",
     "Policy",
+    "StaticLossScale",
+    "TrainState",
     "all_finite",
     "cast_params",
     "cast_tree",
     "dtype",
     "functional",
     "get_policy",
+    "loss_scale_from_state_dict",
     "module_policies",
+    "optim",
     "select_tree",
+    "train_step",
+    "value_and_grad",
 ]

@@ -1,0 +1,408 @@
+"""The pure train step: value_and_grad under a policy and loss scale, then a skip-safe update."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fmp._grad import grad_with_aux
+from fmp.loss_scale import NoOpLossScale
+from fmp.optim import GradientTransformation, apply_updates
+from fmp.policy import Policy, cast_params, get_policy
+from fmp.tree import all_finite, floating_leaves, select_tree
+
+__all__ = ["TrainState", "train_step", "value_and_grad"]
+
+
+class TrainState(NamedTuple):
+    """Everything a train step reads and returns: an immutable record (a pytree).
+
+    Attributes:
+        params: the params tree, in the policy's param dtype.
+        opt_state: the optimizer's state (``optimizer.init(params)``).
+        loss_scale: a loss-scale record (:class:`fmp.NoOpLossScale`, :class:`fmp.StaticLossScale`
+            or :class:`fmp.DynamicLossScale`).
+        step: 0-d int64 tensor, the number of step calls so far (skipped ones included).
+        model_state: buffers such as BatchNorm running statistics, or None.
+        skipped_total: 0-d int32 tensor, how many steps were skipped (never reset).
+
+    Example:
+        >>> state = fmp.TrainState.create({"w": torch.zeros(3)}, fmp.optim.sgd(0.1))
+        >>> int(state.step), int(state.skipped_total)
+        (0, 0)
+    """
+
+    params: Any
+    opt_state: Any
+    loss_scale: Any
+    step: torch.Tensor
+    model_state: Any = None
+    skipped_total: torch.Tensor | None = None
+
+    @classmethod
+    def create(cls, params: Any, optimizer: GradientTransformation, loss_scale: Any = None,
+               model_state: Any = None) -> TrainState:
+        """Initialise a state: optimizer state, counters, and the loss scale on the params' device.
+
+        Args:
+            params: the params tree (e.g. from :func:`fmp.functional`).
+            optimizer: a :class:`fmp.optim.GradientTransformation`.
+            loss_scale: a loss-scale record; None means :class:`fmp.NoOpLossScale`.
+            model_state: buffers to carry (for ``train_step(..., has_state=True)``).
+
+        Returns:
+            A :class:`TrainState` with ``step`` 0 (int64) and ``skipped_total`` 0 (int32).
+
+        Raises:
+            TypeError: ``optimizer`` is not a GradientTransformation, or ``loss_scale`` is
+                not a loss-scale record.
+        """
+        if not isinstance(optimizer, GradientTransformation):
+            raise TypeError(f"optimizer must be an fmp.optim.GradientTransformation, got "
+                            f"{type(optimizer).__name__}")
+        if loss_scale is None:
+            loss_scale = NoOpLossScale()
+        if not (hasattr(loss_scale, "scale") and hasattr(loss_scale, "adjust")):
+            raise TypeError(f"loss_scale must be an fmp loss-scale record (NoOpLossScale, "
+                            f"StaticLossScale, DynamicLossScale) or None, got "
+                            f"{type(loss_scale).__name__}")
+        leaves = floating_leaves(params)
+        device = leaves[0].device if leaves else torch.device("cpu")
+        return cls(
+            params=params,
+            opt_state=optimizer.init(params),
+            loss_scale=loss_scale.to(device),
+            step=torch.zeros((), dtype=torch.int64, device=device),
+            model_state=model_state,
+            skipped_total=torch.zeros((), dtype=torch.int32, device=device),
+        )
+
+
+def _autocast_ctx(params: Any, compute_dtype: torch.dtype, enabled: bool):
+    if not enabled or compute_dtype not in (torch.float16, torch.bfloat16):
+        return contextlib.nullcontext()
+    leaves = floating_leaves(params)
+    device_type = leaves[0].device.type if leaves else "cpu"
+    return torch.autocast(device_type=device_type, dtype=compute_dtype)
+
+
+def _check_loss(loss: Any) -> torch.Tensor:
+    if not (isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.dim() == 0):
+        what = (f"a tensor of dtype {loss.dtype} and shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor) else type(loss).__name__)
+        raise ValueError(f"loss_fn must return a 0-d floating tensor as its loss, got {what}")
+    return loss
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    policy: str | Policy = "fp32",
+    has_aux: bool = False,
+    autocast: bool = False,
+    param_policies: Mapping[str, Policy] | None = None,
+) -> Callable[..., tuple[Any, Any, torch.Tensor]]:
+    """Loss, unscaled grads and a finite flag, computed under a mixed-precision policy.
+
+    The returned ``fn(params, loss_scale, *args, **kwargs)``:
+
+    1. casts ``params`` to the compute dtype (per parameter with ``param_policies``) and
+       the floating leaves of ``args``/``kwargs`` to the policy's compute dtype;
+    2. calls ``loss_fn(cast_params, *cast_args, **cast_kwargs)``, inside ``torch.autocast``
+       when ``autocast=True`` (op-level cast lists, as Apex O1);
+    3. scales the loss (in float32) and differentiates it (``torch.func.grad`` when compiled
+       or inside a torch.func transform, ``torch.autograd.grad`` on detached aliases in
+       eager mode: the same function, the fastest kernels); the casts are differentiable,
+       so grads arrive in each param's own dtype;
+    4. unscales the grads and checks them with :func:`fmp.all_finite`.
+
+    Args:
+        loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (a 0-d floating tensor), or
+            ``-> (loss, aux)`` with ``has_aux=True``.
+        policy: a :class:`fmp.Policy` or a spec for :func:`fmp.get_policy`.
+        has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+        autocast: also run ``loss_fn`` under ``torch.autocast`` at the compute dtype.
+        param_policies: per-parameter policies (from :func:`fmp.module_policies`) for the
+            compute cast of a params dict; inputs still follow ``policy``.
+
+    Returns:
+        ``fn(params, loss_scale, *args, **kwargs) -> (loss, grads, finite)``, or
+        ``((loss, aux), grads, finite)`` with ``has_aux``; ``loss`` is the unscaled float32
+        loss, ``grads`` are unscaled, ``finite`` is a 0-d bool tensor. Nothing syncs the host.
+
+    Raises:
+        ValueError: (when called) ``loss_fn`` returned something other than a 0-d floating
+            tensor as its loss; the policy spec is bad (at once).
+
+    Example:
+        >>> vg = fmp.value_and_grad(lambda p, x: (p["w"] * x).sum(), "bf16-mixed")
+        >>> loss, grads, finite = vg({"w": torch.ones(3)}, fmp.NoOpLossScale(), torch.ones(3))
+        >>> grads["w"].dtype, bool(finite)
+        (torch.float32, True)
+    """
+    scaled_grads = _scaled_grad_fn(loss_fn, get_policy(policy), has_aux, autocast,
+                                   param_policies)
+
+    def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
+        grads, (loss, aux) = scaled_grads(params, loss_scale, *args, **kwargs)
+        grads = loss_scale.unscale(grads)
+        finite = all_finite(grads)
+        return ((loss, aux) if has_aux else loss), grads, finite
+
+    return fn
+
+
+def _scaled_grad_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, autocast: bool,
+                    param_policies: Mapping[str, Policy] | None) -> Callable[..., Any]:
+    """``fn(params, loss_scale, *args, **kwargs) -> (scaled_grads, (loss32, aux))``."""
+
+    def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
+        def scaled_loss(p: Any):
+            if param_policies is not None:
+                cp = cast_params(p, param_policies, "compute")
+            else:
+                cp = pol.cast_to_compute(p)
+            cargs, ckwargs = pol.cast_to_compute((args, kwargs))
+            with _autocast_ctx(p, pol.compute_dtype, autocast):
+                out = loss_fn(cp, *cargs, **ckwargs)
+            if has_aux:
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise ValueError("with has_aux=True, loss_fn must return (loss, aux), got "
+                                     f"{type(out).__name__}")
+                loss, aux = out
+            else:
+                loss, aux = out, None
+            loss32 = _check_loss(loss).float()
+            return loss_scale.scale(loss32), (loss32, aux)
+
+        return grad_with_aux(scaled_loss, params)
+
+    return fn
+
+
+def _check_param_dtypes(params: Any, pol: Policy,
+                        param_policies: Mapping[str, Policy] | None) -> None:
+    """A param stored in another dtype than its policy says is a bug: say so, name it."""
+    if param_policies is not None and isinstance(params, Mapping):
+        items = [(k, v, param_policies[k].param_dtype) for k, v in params.items()
+                 if k in param_policies]
+    else:
+        paths, leaves, _ = optree.tree_flatten_with_path(params)
+        items = [(".".join(map(str, p)), v, pol.param_dtype) for p, v in zip(paths, leaves,
+                                                                              strict=True)]
+    for name, v, want in items:
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != want:
+            raise ValueError(
+                f"param {name!r} is {v.dtype} but the policy keeps params in {want}; cast "
+                "them before TrainState.create, e.g. params = policy.cast_to_param(params)"
+            )
+
+
+def _split_batch(batch: tuple[Any, ...], k: int) -> list[tuple[Any, ...]]:
+    if k == 1:
+        return [batch]
+    leaves, spec = optree.tree_flatten(batch)
+    chunks = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            if x.shape[0] % k:
+                raise ValueError(f"accumulate={k}: batch leaf {i} has leading size "
+                                 f"{x.shape[0]}, which is not divisible by {k}")
+            chunks.append(torch.chunk(x, k, dim=0))
+        else:
+            chunks.append((x,) * k)
+    return [optree.tree_unflatten(spec, [c[j] for c in chunks]) for j in range(k)]
+
+
+def _to_f32(g: Any) -> Any:
+    return g.float() if isinstance(g, torch.Tensor) and g.is_floating_point() else g
+
+
+def _donate_into(old: Any, new: Any) -> Any:
+    """Write ``new``'s tensor leaves into ``old``'s tensors in place; return ``old``'s tree."""
+    old_leaves, spec = optree.tree_flatten(old)
+    new_leaves = spec.flatten_up_to(new)
+    dst = [o for o, n in zip(old_leaves, new_leaves, strict=True)
+           if isinstance(o, torch.Tensor) and o is not n]
+    src = [n for o, n in zip(old_leaves, new_leaves, strict=True)
+           if isinstance(o, torch.Tensor) and o is not n]
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return old
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: GradientTransformation,
+    policy: str | Policy = "fp32",
+    accumulate: int = 1,
+    donate: bool = False,
+    process_group: Any = None,
+    *,
+    has_aux: bool = False,
+    has_state: bool = False,
+    autocast: bool = False,
+    param_policies: Mapping[str, Policy] | None = None,
+) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
+    """Build ``step(state, *batch) -> (new_state, metrics)``: one skip-safe update.
+
+    The step computes grads with :func:`value_and_grad`, runs the optimizer, and keeps the
+    new params and optimizer state only when every grad is finite (a branch-free
+    ``torch.where`` select, so a skipped step returns them bit-identical). The loss scale
+    adjusts on every step. Nothing in it synchronises the host: it runs under
+    ``torch.cuda.set_sync_debug_mode("error")``, ``torch.compile(fullgraph=True)`` and
+    CUDA-graph capture. A non-finite step is skipped whatever the loss scale (a NaN is
+    never applied, also under ``NoOpLossScale``).
+
+    Args:
+        loss_fn: ``loss_fn(params, *batch) -> loss`` (params already cast to the compute
+            dtype, floating batch leaves too). With ``has_state``: ``loss_fn(params,
+            model_state, *batch) -> (loss, new_model_state)``. With ``has_aux`` the loss is
+            followed by ``aux``: ``(loss, aux)``, or ``(loss, (new_model_state, aux))``.
+        optimizer: a :class:`fmp.optim.GradientTransformation`.
+        policy: a :class:`fmp.Policy` or a spec for :func:`fmp.get_policy`.
+        accumulate: split the batch into this many equal micro-batches along dim 0; their
+            grads are summed in float32 and averaged, then one update is made (equal to one
+            step on the whole batch with a mean loss). The loss scale moves once per step.
+        donate: write the new params, optimizer state and model state into the input
+            state's tensors in place (saves memory; the input state is consumed).
+        process_group: a ``torch.distributed`` process group (or ``"default"`` for the
+            default group) to make the step data-parallel: grads are averaged across ranks
+            (:func:`fmp.distributed.all_reduce_grads`, bucketed) and the finite verdict is
+            agreed (:func:`fmp.distributed.all_finite`), so every rank skips together. The
+            reported loss is the local one. None: single process.
+        has_aux: ``loss_fn`` also returns an auxiliary value, returned as ``metrics["aux"]``.
+        has_state: ``loss_fn`` takes and returns model state (``TrainState.model_state``);
+            a skipped step keeps the old model state.
+        autocast: also run ``loss_fn`` under ``torch.autocast`` at the compute dtype.
+        param_policies: per-parameter policies (from :func:`fmp.module_policies`).
+
+    Returns:
+        ``step(state, *batch) -> (new_state, metrics)``; ``metrics`` is a dict of tensors:
+        ``loss`` (unscaled float32, mean over micro-batches), ``grads_finite`` (bool),
+        ``skipped`` (bool), ``loss_scale`` (float32, the scale after this step's
+        adjustment), ``skipped_total`` (int32), and ``aux`` with ``has_aux``.
+
+    Raises:
+        ValueError: ``accumulate`` is not a positive int; a batch's leading size is not
+            divisible by ``accumulate`` (when called).
+        TypeError: ``optimizer`` is not a GradientTransformation.
+        RuntimeError: ``process_group`` is given but torch.distributed is not initialised.
+
+    Example:
+        >>> net = torch.nn.Linear(4, 1)
+        >>> apply_fn, params, _ = fmp.functional(net)
+        >>> def loss_fn(p, x, y):
+        ...     return torch.nn.functional.mse_loss(apply_fn(p, x).float(), y)
+        >>> opt = fmp.optim.adamw(1e-2)
+        >>> step = fmp.train_step(loss_fn, opt, "bf16-mixed")
+        >>> state = fmp.TrainState.create(params, opt, fmp.DynamicLossScale.create())
+        >>> state, metrics = step(state, torch.randn(8, 4), torch.randn(8, 1))
+    """
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(f"optimizer must be an fmp.optim.GradientTransformation, got "
+                        f"{type(optimizer).__name__}")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
+    reduce_grads = grads_finite = None
+    if process_group is not None:
+        from fmp import distributed as dist_
+
+        group = None if process_group == "default" else process_group
+        dist_.check_group(group)
+
+        def reduce_grads(g: Any) -> Any:
+            return dist_.all_reduce_grads(g, group=group, op="mean")
+
+        def grads_finite(g: Any) -> torch.Tensor:
+            return dist_.all_finite(g, group=group)
+    pol = get_policy(policy)
+
+    def scaled_grads(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return _scaled_grad_fn(fn, pol, True, autocast, param_policies)
+
+    def split_out(out: Any) -> tuple[Any, Any, Any]:
+        """-> (loss, new_model_state, aux) from loss_fn's return value."""
+        if has_state:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ValueError("with has_state=True, loss_fn must return (loss, "
+                                 f"new_model_state), got {type(out).__name__}")
+            loss, rest = out
+            if has_aux:
+                if not (isinstance(rest, tuple) and len(rest) == 2):
+                    raise ValueError("with has_state and has_aux, loss_fn must return "
+                                     "(loss, (new_model_state, aux))")
+                return loss, rest[0], rest[1]
+            return loss, rest, None
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ValueError("with has_aux=True, loss_fn must return (loss, aux), got "
+                                 f"{type(out).__name__}")
+            return out[0], None, out[1]
+        return out, None, None
+
+    def step(state: TrainState, *batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        _check_param_dtypes(state.params, pol, param_policies)
+        micro = _split_batch(batch, accumulate)
+        model_state = state.model_state
+        grad_sum: Any = None
+        loss_sum: Any = None
+        aux = None
+        for mb in micro:
+            def wrapped(p: Any, *b: Any, _ms: Any = model_state) -> Any:
+                out = loss_fn(p, _ms, *b) if has_state else loss_fn(p, *b)
+                loss, new_ms, a = split_out(out)
+                return loss, (new_ms, a)
+
+            grads, (loss, (new_ms, aux)) = scaled_grads(wrapped)(state.params,
+                                                                 state.loss_scale, *mb)
+            if has_state:
+                model_state = new_ms
+            if accumulate == 1:
+                grad_sum, loss_sum = grads, loss
+            else:
+                g32 = optree.tree_map(_to_f32, grads)
+                grad_sum = g32 if grad_sum is None else optree.tree_map(torch.add, grad_sum, g32)
+                loss_sum = loss if loss_sum is None else loss_sum + loss
+        grads = state.loss_scale.unscale(grad_sum)
+        loss = loss_sum
+        if accumulate > 1:
+            inv = 1.0 / accumulate
+            grads = optree.tree_map(lambda g: g * inv, grads)
+            loss = loss * inv
+        if reduce_grads is not None:
+            grads = reduce_grads(grads)
+            finite = grads_finite(grads)
+        else:
+            finite = all_finite(grads)
+
+        updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new_params = apply_updates(state.params, updates)
+        params = select_tree(finite, new_params, state.params)
+        opt_state = select_tree(finite, new_opt_state, state.opt_state)
+        if has_state:
+            model_state = select_tree(finite, model_state, state.model_state)
+        if donate:
+            params = _donate_into(state.params, params)
+            opt_state = _donate_into(state.opt_state, opt_state)
+            if has_state:
+                model_state = _donate_into(state.model_state, model_state)
+        loss_scale = state.loss_scale.adjust(finite)
+        skipped = ~finite
+        prev_skipped = state.skipped_total
+        if prev_skipped is None:
+            prev_skipped = torch.zeros((), dtype=torch.int32, device=finite.device)
+        skipped_total = prev_skipped + skipped.to(torch.int32)
+        new_state = TrainState(params=params, opt_state=opt_state, loss_scale=loss_scale,
+                               step=state.step + 1, model_state=model_state,
+                               skipped_total=skipped_total)
+        metrics = {"loss": loss, "grads_finite": finite, "skipped": skipped,
+                   "loss_scale": loss_scale.loss_scale, "skipped_total": skipped_total}
+        if has_aux:
+            metrics["aux"] = aux
+        return new_state, metrics
+
+    return step
