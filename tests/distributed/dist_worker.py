@@ -1,0 +1,32 @@
+"""The rank side of :mod:`dist_launch`: init gloo from the environment, run scenarios,
+save each one's result (or its traceback) for the test process to check."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def run(scenarios: dict[str, Callable[[int, int], Any]], timeout_s: float = 30.0) -> None:
+    """Run ``scenarios`` (name -> fn(rank, world)) in order on this rank; save results.
+
+    A scenario that raises records ``{"error": traceback}`` and the next one still runs.
+    """
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: dict[str, Any] = {}
+    for name, fn in scenarios.items():
+        try:
+            results[name] = fn(rank, world)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    torch.save(results, os.path.join(os.environ["FMP_DIST_OUT"], f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
