@@ -146,3 +146,5 @@ def test_fsdp_mixed_precision_fields(spec, want):
     assert (mp.param_dtype, mp.reduce_dtype, mp.output_dtype) == want
     assert mp.cast_forward_inputs is True
     assert fd.fsdp_mixed_precision(fmp.get_policy(spec), reduce_dtype=None).reduce_dtype is None
+    inner = fd.fsdp_mixed_precision(spec, root=False)
+    assert (inner.param_dtype, inner.reduce_dtype, inner.output_dtype) == (*want[:2], None)
