@@ -1,0 +1,144 @@
+"""Float32 master weights (O2/O5): they replace the low-precision params in the optimizer.
+
+The optimizer's ``param_groups`` hold float32 copies of the model's float16/bfloat16
+parameters; the model params are refreshed from them after every real step. The masters
+travel in ``optimizer.state_dict()`` (per-param key ``"fmp_master"``), so a checkpoint
+resumes bit-exactly, whether the optimizer state is loaded before or after initialize.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["MASTER_KEY", "MasterWeights", "is_low_precision"]
+
+#: The per-param key under which ``optimizer.state_dict()`` carries a master's value.
+MASTER_KEY = "fmp_master"
+
+
+def is_low_precision(p: torch.Tensor) -> bool:
+    """True for floating tensors narrower than float32 (float16, bfloat16, float8...)."""
+    return p.is_floating_point() and p.element_size() < 4
+
+
+class MasterWeights:
+    """The masters of one optimizer and the model params they shadow.
+
+    Args:
+        optimizer: the optimizer whose low-precision params get masters (its
+            ``param_groups`` are edited in place, its state moved to the masters).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+        >>> opt = torch.optim.SGD([w], lr=0.1)
+        >>> mw = MasterWeights(opt)
+        >>> opt.param_groups[0]["params"][0].dtype
+        torch.float32
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.model_of: dict[torch.Tensor, torch.Tensor] = {}  # master -> model param
+        for group in optimizer.param_groups:
+            self.adopt_group(group)
+        optimizer.register_state_dict_post_hook(self._state_dict_hook)
+        optimizer.register_load_state_dict_post_hook(self._load_state_dict_hook)
+
+    # ----------------------------------------------------------------------------------
+    def adopt_group(self, group: dict[str, Any]) -> None:
+        """Replace the low-precision params of ``group`` by float32 masters.
+
+        A master takes its value from optimizer state loaded before initialize (key
+        ``"fmp_master"``) when there is one, else from the model param. The param's
+        optimizer state moves to the master (floating entries other than ``step`` are
+        cast to float32, as ``Optimizer.load_state_dict`` would).
+        """
+        state = self.optimizer.state
+        params = group["params"]
+        for i, p in enumerate(params):
+            if not is_low_precision(p):
+                continue
+            st = state.pop(p, None)
+            saved = st.pop(MASTER_KEY, None) if st else None
+            with torch.no_grad():
+                value = (saved if saved is not None else p.detach()).to(
+                    device=p.device, dtype=torch.float32).clone()
+            master = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+            params[i] = master
+            self.model_of[master] = p
+            if st:
+                state[master] = {
+                    k: (v.to(torch.float32) if k != "step" and isinstance(v, torch.Tensor)
+                        and v.is_floating_point() else v)
+                    for k, v in st.items()
+                }
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        """The masters, in the order they were made."""
+        return list(self.model_of)
+
+    @property
+    def model_params(self) -> list[torch.Tensor]:
+        """The low-precision model params, in the order of :attr:`masters`."""
+        return list(self.model_of.values())
+
+    def copy_to_model(self) -> None:
+        """Copy every master into its model param (rounded to the param's dtype)."""
+        if self.model_of:
+            with torch.no_grad():
+                torch._foreach_copy_(self.model_params, self.masters)
+
+    def drop_master_grads(self) -> None:
+        """Set the masters' grads to None (after a step, real or skipped)."""
+        for m in self.model_of:
+            m.grad = None
+
+    def zero_model_grads(self, set_to_none: bool = True) -> None:
+        """Zero (or drop) the model params' grads, as ``optimizer.zero_grad`` does for its own."""
+        for p in self.model_of.values():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.zero_()
+
+    # ----------------------------------------------------------------------------------
+    def _indices(self) -> Iterable[tuple[int, torch.Tensor]]:
+        """(state-dict index, param) over the param groups, as ``Optimizer.state_dict``."""
+        seen: dict[int, int] = {}
+        start = 0
+        for group in self.optimizer.param_groups:
+            for j, p in enumerate(group["params"], start):
+                if id(p) not in seen:
+                    seen[id(p)] = j
+                    yield j, p
+            start += len(group["params"])
+
+    def _state_dict_hook(self, optimizer: torch.optim.Optimizer,
+                         state_dict: dict[str, Any]) -> dict[str, Any]:
+        state = dict(state_dict["state"])
+        for j, p in self._indices():
+            if p in self.model_of:
+                # A new dict: the packed state shares its per-param dicts with the optimizer.
+                state[j] = {**state.get(j, {}), MASTER_KEY: p.detach().clone()}
+        state_dict["state"] = state
+        return state_dict
+
+    def _load_state_dict_hook(self, optimizer: torch.optim.Optimizer) -> None:
+        state = optimizer.state
+        with torch.no_grad():
+            for master, model_p in self.model_of.items():
+                st = state.get(master)
+                saved = st.pop(MASTER_KEY, None) if st else None
+                if saved is not None:
+                    master.copy_(saved)
+                else:  # a checkpoint without masters: rebuild them from the model (as Apex)
+                    master.copy_(model_p)
+                if st is not None and not st:
+                    del state[master]
+        self.copy_to_model()
