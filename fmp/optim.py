@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fmp._fused import FusedSpec
 from fmp.dtypes import dtype as _dtype
 
 __all__ = [
@@ -91,6 +92,10 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[Any], Any]
     update: Callable[..., tuple[Any, Any]]
+    #: Set by :func:`sgd`, :func:`adam` and :func:`adamw`: lets ``train_step(donate=True)``
+    #: run torch's fused in-place kernel (unscale, update and skip in one pass) where it
+    #: computes the same formulas. None for other transformations.
+    fused: Any = None
 
 
 class EmptyState(NamedTuple):
@@ -767,7 +772,9 @@ def sgd(
         return (optree.tree_unflatten(spec, updates),
                 SgdState(_increment(state.count), new_buf))
 
-    return GradientTransformation(init, update)
+    fused = FusedSpec("sgd", momentum=m, dampening=d, nesterov=nesterov, wd=wd,
+                      lr_at=lambda c: _lr_at(lr, c))
+    return GradientTransformation(init, update, fused)
 
 
 def _adam_like(
@@ -819,7 +826,9 @@ def _adam_like(
         return (optree.tree_unflatten(spec, updates),
                 _adam_state(count, spec, mu, nu, nu_max, state))
 
-    return GradientTransformation(init, update)
+    fused = FusedSpec("adamw" if decoupled else "adam", b1=b1, b2=b2, eps=eps, wd=wd,
+                      amsgrad=amsgrad, lr_at=lambda c: _lr_at(lr, c))
+    return GradientTransformation(init, update, fused)
 
 
 def adam(

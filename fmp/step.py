@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fmp._fused import fused_step_, fused_supported
 from fmp._grad import grad_with_aux
 from fmp.loss_scale import NoOpLossScale
 from fmp.optim import GradientTransformation, apply_updates
@@ -217,6 +218,16 @@ def _split_batch(batch: tuple[Any, ...], k: int) -> list[tuple[Any, ...]]:
     return [optree.tree_unflatten(spec, [c[j] for c in chunks]) for j in range(k)]
 
 
+def _grad_divisor(loss_scale: Any, accumulate: int, like: torch.Tensor) -> torch.Tensor | None:
+    """What the fused kernel divides the summed, scaled grads by: scale x micro-batches."""
+    if isinstance(loss_scale, NoOpLossScale):
+        if accumulate == 1:
+            return None
+        return torch.full((), float(accumulate), dtype=torch.float32, device=like.device)
+    s = loss_scale.loss_scale.to(torch.float32)
+    return s if accumulate == 1 else s * float(accumulate)
+
+
 def _to_f32(g: Any) -> Any:
     return g.float() if isinstance(g, torch.Tensor) and g.is_floating_point() else g
 
@@ -268,7 +279,10 @@ def train_step(
             grads are summed in float32 and averaged, then one update is made (equal to one
             step on the whole batch with a mean loss). The loss scale moves once per step.
         donate: write the new params, optimizer state and model state into the input
-            state's tensors in place (saves memory; the input state is consumed).
+            state's tensors in place (saves memory; the input state is consumed). With
+            :func:`fmp.optim.sgd`, :func:`~fmp.optim.adam` or :func:`~fmp.optim.adamw` on
+            uniform-dtype trees this runs torch's fused kernel, which unscales, updates and
+            skips in one pass.
         process_group: a ``torch.distributed`` process group (or ``"default"`` for the
             default group) to make the step data-parallel: grads are averaged across ranks
             (:func:`fmp.distributed.all_reduce_grads`, bucketed) and the finite verdict is
@@ -367,28 +381,36 @@ def train_step(
                 g32 = optree.tree_map(_to_f32, grads)
                 grad_sum = g32 if grad_sum is None else optree.tree_map(torch.add, grad_sum, g32)
                 loss_sum = loss if loss_sum is None else loss_sum + loss
-        grads = state.loss_scale.unscale(grad_sum)
-        loss = loss_sum
-        if accumulate > 1:
-            inv = 1.0 / accumulate
-            grads = optree.tree_map(lambda g: g * inv, grads)
-            loss = loss * inv
-        if reduce_grads is not None:
-            grads = reduce_grads(grads)
-            finite = grads_finite(grads)
+        loss = loss_sum if accumulate == 1 else loss_sum * (1.0 / accumulate)
+        if donate and fused_supported(optimizer.fused, state.params, grad_sum, state.opt_state):
+            # One pass for the verdict on the still-scaled grads, then torch's fused kernel
+            # divides by the scale, updates params and moments in place, or skips on device.
+            grads = grad_sum if reduce_grads is None else reduce_grads(grad_sum)
+            finite = all_finite(grads) if grads_finite is None else grads_finite(grads)
+            opt_state = fused_step_(optimizer.fused, state.params, grads, state.opt_state,
+                                    _grad_divisor(state.loss_scale, accumulate, finite),
+                                    (~finite).to(torch.float32))
+            params = state.params
         else:
-            finite = all_finite(grads)
-
-        updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new_params = apply_updates(state.params, updates)
-        params = select_tree(finite, new_params, state.params)
-        opt_state = select_tree(finite, new_opt_state, state.opt_state)
+            grads = state.loss_scale.unscale(grad_sum)
+            if accumulate > 1:
+                inv = 1.0 / accumulate
+                grads = optree.tree_map(lambda g: g * inv, grads)
+            if reduce_grads is not None:
+                grads = reduce_grads(grads)
+                finite = grads_finite(grads)
+            else:
+                finite = all_finite(grads)
+            updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+            new_params = apply_updates(state.params, updates)
+            params = select_tree(finite, new_params, state.params)
+            opt_state = select_tree(finite, new_opt_state, state.opt_state)
+            if donate:
+                params = _donate_into(state.params, params)
+                opt_state = _donate_into(state.opt_state, opt_state)
         if has_state:
             model_state = select_tree(finite, model_state, state.model_state)
-        if donate:
-            params = _donate_into(state.params, params)
-            opt_state = _donate_into(state.opt_state, opt_state)
-            if has_state:
+            if donate:
                 model_state = _donate_into(state.model_state, model_state)
         loss_scale = state.loss_scale.adjust(finite)
         skipped = ~finite

@@ -120,10 +120,13 @@ def test_step_is_pure():
 
 
 @pytest.mark.parametrize("factor", [ONE, INF])
-def test_donate_matches_pure_and_reuses_buffers(factor):
+def test_donate_without_fused_kernel_is_bit_identical_to_pure(factor):
+    # chain() has no fused kernel: donation is then the pure update written in place
+    mk = lambda: fmp.optim.chain(fmp.optim.add_decayed_weights(0.01), fmp.optim.sgd(0.1))  # noqa: E731
+    step_p, state_p = make("bf16-mixed", opt=mk(), loss_scale=fmp.DynamicLossScale.create())
+    step_d, state_d = make("bf16-mixed", opt=mk(), loss_scale=fmp.DynamicLossScale.create(),
+                           donate=True)
     x, y = blobs(32)
-    step_p, state_p = make("bf16-mixed", loss_scale=fmp.DynamicLossScale.create())
-    step_d, state_d = make("bf16-mixed", loss_scale=fmp.DynamicLossScale.create(), donate=True)
     for _ in range(2):
         state_p, _ = step_p(state_p, x, y, ONE)
         state_d, _ = step_d(state_d, x, y, ONE)
@@ -133,6 +136,50 @@ def test_donate_matches_pure_and_reuses_buffers(factor):
     assert state_d.params["0.weight"] is w
     assert_trees_bit_equal(state_p.params, state_d.params)
     assert_trees_bit_equal(state_p.opt_state, state_d.opt_state)
+
+
+FUSED_OPTS = {
+    "adamw": lambda: fmp.optim.adamw(1e-2, weight_decay=0.1),
+    "adam_amsgrad": lambda: fmp.optim.adam(1e-2, weight_decay=0.01, amsgrad=True),
+    "adam_schedule": lambda: fmp.optim.adam(lambda c: 1e-2 / (1.0 + c.float())),
+    "sgd_nesterov": lambda: fmp.optim.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "sgd_plain": lambda: fmp.optim.sgd(0.05),
+}
+
+
+@pytest.mark.parametrize("opt", list(FUSED_OPTS))
+@pytest.mark.parametrize(("policy", "scaled", "accumulate"),
+                         [("fp16-mixed", True, 1), ("bf16-mixed", False, 1),
+                          ("fp16-mixed", True, 2), ("fp32", False, 2)])
+def test_donated_fused_kernel_matches_pure_path(opt, policy, scaled, accumulate, monkeypatch):
+    calls = []
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _r=real, **k: (calls.append(1), _r(*a, **k))[1])
+    mk = FUSED_OPTS[opt]
+    ls = (lambda: fmp.DynamicLossScale.create(initial=2.0**10, period=2)) if scaled else (
+        lambda: None)
+    step_p, state_p = make(policy, opt=mk(), loss_scale=ls(), accumulate=accumulate)
+    step_d, state_d = make(policy, opt=mk(), loss_scale=ls(), accumulate=accumulate,
+                           donate=True)
+    x, y = blobs(32)
+    for i in range(6):
+        f = INF if i in (2, 4) else ONE
+        before = clone_tree(state_d)
+        state_p, m_p = step_p(state_p, x, y, f)
+        state_d, m_d = step_d(state_d, x, y, f)
+        assert bool(m_d["skipped"]) == bool(m_p["skipped"]) == (i in (2, 4))
+        assert float(m_d["loss_scale"]) == float(m_p["loss_scale"])
+        if i in (2, 4):
+            assert_trees_bit_equal(state_d.params, before.params)
+            assert_trees_bit_equal(state_d.opt_state, before.opt_state)
+        for k in state_p.params:
+            # the kernel divides by the scale where the pure path multiplies by its
+            # reciprocal: rounding-level differences, amplified a little by Adam's eps region
+            torch.testing.assert_close(state_d.params[k], state_p.params[k], rtol=1e-4,
+                                       atol=2e-5)
+    assert int(state_d.opt_state.count) == int(state_p.opt_state.count) == 4
+    assert len(calls) == 4 + 2  # the kernel runs on skipped steps too (and writes nothing)
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Run on the lent GPU machine (the device tool), from the repo root, with .whl carried:
+#   bash benchmarks/device.sh tests|bench|all [extra args for train_step.py]
+# optree is not installed there: it comes as a wheel in .whl/ (see benchmarks/NOTES.md).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export PYTHONUNBUFFERED=1 FMP_MACHINE=h200
+OUT=${OUT:-/tmp/out}
+what=${1:-all}; shift || true
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, optree; print('torch', torch.__version__, 'optree', optree.__version__)"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    python3 -m pytest tests -q -x -p no:cacheprovider -o addopts="" \
+        --ignore=tests/adapters --ignore=tests/distributed --ignore=tests/test_demo.py \
+        2>&1 | tee "$OUT/tests.log" | tail -15
+    python3 -m pytest tests -q -p no:cacheprovider -o addopts="" -m cuda -rA \
+        2>&1 | tee "$OUT/cuda-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+    python3 benchmarks/train_step.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
