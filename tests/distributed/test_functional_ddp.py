@@ -1,8 +1,8 @@
 """fmp.distributed and train_step(process_group=...) on 2 CPU processes (gloo).
 
-One launch of ``worker_ddp.py`` (about 30 s on 2 cores) runs every scenario; the tests
-below check its results. Ranks are plain subprocesses with a hard time limit
-(:mod:`dist_launch`), so a hang fails the test instead of blocking the suite.
+One launch of ``worker_main.py`` (the ``ranks`` fixture of conftest.py) runs every
+scenario; the tests below check its results. Ranks are plain subprocesses with a hard
+time limit (:mod:`dist_launch`), so a hang fails the test instead of blocking the suite.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from dist_launch import run_ranks
 from helpers import assert_trees_bit_equal
 from worker_ddp import INJECT, STEPS
 
@@ -18,20 +17,8 @@ import fmp
 import fmp.distributed as fd
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    return run_ranks("worker_ddp.py", timeout=120)
-
-
-def result(ranks, name):
-    out = [r[name] for r in ranks]
-    for rank, o in enumerate(out):
-        assert not (isinstance(o, dict) and "error" in o), f"rank {rank}:\n{o['error']}"
-    return out
-
-
-def test_data_parallel_equals_one_process_on_the_whole_batch(ranks):
-    r0, r1 = result(ranks, "equal_to_single")
+def test_data_parallel_equals_one_process_on_the_whole_batch(result):
+    r0, r1 = result("equal_to_single")
     assert_trees_bit_equal(r0["dp"]["params"], r1["dp"]["params"])
     for a, b in zip(optree.tree_leaves(r0["dp"]["params"]),
                     optree.tree_leaves(r0["single"]["params"]), strict=True):
@@ -42,8 +29,8 @@ def test_data_parallel_equals_one_process_on_the_whole_batch(ranks):
     assert not torch.equal(r0["dp"]["trace"][0]["loss"], r1["dp"]["trace"][0]["loss"])
 
 
-def test_inf_on_one_rank_makes_every_rank_skip(ranks):
-    r0, r1 = result(ranks, "inf_on_one_rank")
+def test_inf_on_one_rank_makes_every_rank_skip(result):
+    r0, r1 = result("inf_on_one_rank")
     for r in (r0, r1):
         assert [bool(t["skipped"]) for t in r["trace"]] == [i in INJECT for i in range(STEPS)]
         assert int(r["skipped_total"]) == len(INJECT)
@@ -56,8 +43,8 @@ def test_inf_on_one_rank_makes_every_rank_skip(ranks):
     assert [float(t["loss_scale"]) for t in r0["trace"]] == [1024, 2048, 1024, 1024, 512, 512]
 
 
-def test_all_finite_gives_every_rank_the_same_verdict(ranks):
-    r0, r1 = result(ranks, "all_finite_verdicts")
+def test_all_finite_gives_every_rank_the_same_verdict(result):
+    r0, r1 = result("all_finite_verdicts")
     assert r0 == r1
     want = {"all_ok": True, "inf_on_1": False, "nan_on_0": False, "ragged": True,
             "no_float_leaves_on_1": True}
@@ -65,8 +52,8 @@ def test_all_finite_gives_every_rank_the_same_verdict(ranks):
     assert all(v[:2] == (torch.bool, ()) for v in r0.values())
 
 
-def test_all_reduce_grads_values_dtypes_purity(ranks):
-    r0, r1 = result(ranks, "all_reduce_results")
+def test_all_reduce_grads_values_dtypes_purity(result):
+    r0, r1 = result("all_reduce_results")
     for r in (r0, r1):
         for a, b in zip(optree.tree_leaves(r["tree"]), optree.tree_leaves(r["before"]),
                         strict=True):  # inputs untouched
@@ -85,8 +72,8 @@ def test_all_reduce_grads_values_dtypes_purity(ranks):
     assert torch.equal(r0["mean"]["h"], r1["mean"]["h"])
 
 
-def test_all_reduce_grads_is_bucketed(ranks):
-    r = result(ranks, "all_reduce_results")[0]
+def test_all_reduce_grads_is_bucketed(result):
+    r = result("all_reduce_results")[0]
     n32 = 40 * 15 + 24
     # one collective per (device, dtype) at the default 25 MB cap: 41 float32 leaves, 1 bf16
     assert sorted(r["mean_calls"], key=str) == sorted([(torch.bfloat16, 7),
@@ -98,8 +85,8 @@ def test_all_reduce_grads_is_bucketed(ranks):
     assert {d for d, _ in r["f32_calls"]} == {torch.float32}
 
 
-def test_mismatched_trees_raise_on_every_rank_not_hang(ranks):
-    r0, r1 = result(ranks, "mismatched_trees")
+def test_mismatched_trees_raise_on_every_rank_not_hang(result):
+    r0, r1 = result("mismatched_trees")
     for r in (r0, r1):
         assert "leaf 'b' is float32[4] on rank 0 but float32[5] on rank 1" in r["shape"]
         assert "rank 0 has 1 leaves, rank 1 has 2" in r["extra_leaf"]
@@ -109,9 +96,19 @@ def test_mismatched_trees_raise_on_every_rank_not_hang(ranks):
         assert r["gathers"] == 1
 
 
-def test_train_step_rejects_a_misspelt_group(ranks):
-    for msg in result(ranks, "train_step_rejects_bad_group"):
+def test_train_step_rejects_a_misspelt_group(result):
+    for msg in result("train_step_rejects_bad_group"):
         assert "'defualt'" in msg
+
+
+@pytest.mark.slow
+def test_compiled_data_parallel_step_equals_eager(slow_result):
+    for r in slow_result("compiled_step_equals_eager"):
+        for bad, runs in r.items():
+            (s_e, m_e), (s_c, m_c) = runs["eager"], runs["compiled"]
+            assert_trees_bit_equal(s_c.params, s_e.params)
+            assert bool(m_c["skipped"]) == bool(m_e["skipped"]) == bad
+            assert torch.equal(m_c["loss_scale"], m_e["loss_scale"])
 
 
 # ---- in this (single, uninitialised) process ----------------------------------------

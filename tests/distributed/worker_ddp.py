@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from dist_worker import run
 from helpers import ScaleGrad, blobs, clone_tree, mlp
 
 import fmp
@@ -142,8 +141,23 @@ def train_step_rejects_bad_group(rank, world):
     return "no error"
 
 
-if __name__ == "__main__":
-    run({"equal_to_single": equal_to_single, "inf_on_one_rank": inf_on_one_rank,
-         "all_finite_verdicts": all_finite_verdicts, "all_reduce_results": all_reduce_results,
-         "mismatched_trees": mismatched_trees,
-         "train_step_rejects_bad_group": train_step_rejects_bad_group})
+def compiled_step_equals_eager(rank, world):
+    """torch.compile(fullgraph=True) traces the data-parallel step (functional collectives)."""
+    loss_fn, opt, state = _setup("bf16-mixed", fmp.DynamicLossScale.create(), fmp.optim.sgd(0.1))
+    step = fmp.train_step(loss_fn, opt, "bf16-mixed", process_group="default")
+    x, y = blobs(N)
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out = {}
+    for bad in (False, True):  # one trace: the factor is a tensor input
+        factor = torch.tensor(float("inf") if bad and rank == 1 else 1.0)
+        eager = step(state, x, y, factor)  # (the first eager call checks the tree)
+        out[bad] = {"eager": eager, "compiled": compiled(state, x, y, factor)}
+    return out
+
+
+SCENARIOS = {"equal_to_single": equal_to_single, "inf_on_one_rank": inf_on_one_rank,
+             "all_finite_verdicts": all_finite_verdicts,
+             "all_reduce_results": all_reduce_results, "mismatched_trees": mismatched_trees,
+             "train_step_rejects_bad_group": train_step_rejects_bad_group}
+SLOW_SCENARIOS = {"compiled_step_equals_eager": compiled_step_equals_eager}

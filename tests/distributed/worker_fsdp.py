@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from dist_worker import run
 from helpers import ScaleGrad, blobs, mlp
 from torch.distributed.fsdp import fully_shard
 
@@ -72,5 +71,4 @@ def fsdp_skips(rank, world):
             "grad_dtype": grads[0].dtype}
 
 
-if __name__ == "__main__":
-    run({"fsdp_skips": fsdp_skips})
+SCENARIOS = {"fsdp_skips": fsdp_skips}
