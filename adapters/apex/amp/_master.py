@@ -41,10 +41,12 @@ class MasterWeights:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        self._incoming: dict[int, torch.Tensor] = {}
         self.model_of: dict[torch.Tensor, torch.Tensor] = {}  # master -> model param
         for group in optimizer.param_groups:
             self.adopt_group(group)
         optimizer.register_state_dict_post_hook(self._state_dict_hook)
+        optimizer.register_load_state_dict_pre_hook(self._load_pre_hook)
         optimizer.register_load_state_dict_post_hook(self._load_state_dict_hook)
 
     # ----------------------------------------------------------------------------------
@@ -69,7 +71,7 @@ class MasterWeights:
             master = torch.nn.Parameter(value, requires_grad=p.requires_grad)
             params[i] = master
             self.model_of[master] = p
-            if st:
+            if st:  # (an entry left empty by popping the master is dropped)
                 state[master] = {
                     k: (v.to(torch.float32) if k != "step" and isinstance(v, torch.Tensor)
                         and v.is_floating_point() else v)
@@ -121,24 +123,43 @@ class MasterWeights:
 
     def _state_dict_hook(self, optimizer: torch.optim.Optimizer,
                          state_dict: dict[str, Any]) -> dict[str, Any]:
+        # A master is saved where the param has optimizer state, or where it holds more
+        # than its model param (a stateless optimizer such as plain SGD). A param with
+        # neither was never stepped: its master equals the model param, nothing to save.
+        # (Adam-like optimizers refuse a per-param entry without "step" on load.)
         state = dict(state_dict["state"])
         for j, p in self._indices():
-            if p in self.model_of:
+            model_p = self.model_of.get(p)
+            if model_p is None:
+                continue
+            if state.get(j) or not torch.equal(p, model_p.float()):
                 # A new dict: the packed state shares its per-param dicts with the optimizer.
                 state[j] = {**state.get(j, {}), MASTER_KEY: p.detach().clone()}
         state_dict["state"] = state
         return state_dict
 
+    def _load_pre_hook(self, optimizer: torch.optim.Optimizer,
+                       state_dict: dict[str, Any]) -> dict[str, Any]:
+        state = {}
+        self._incoming = {}
+        for j, st in state_dict["state"].items():
+            if isinstance(st, dict) and MASTER_KEY in st:
+                st = dict(st)
+                self._incoming[j] = st.pop(MASTER_KEY)
+                if not st:
+                    continue
+            state[j] = st
+        return {**state_dict, "state": state}
+
     def _load_state_dict_hook(self, optimizer: torch.optim.Optimizer) -> None:
-        state = optimizer.state
+        incoming = getattr(self, "_incoming", {})
+        self._incoming = {}
         with torch.no_grad():
-            for master, model_p in self.model_of.items():
-                st = state.get(master)
-                saved = st.pop(MASTER_KEY, None) if st else None
-                if saved is not None:
-                    master.copy_(saved)
-                else:  # a checkpoint without masters: rebuild them from the model (as Apex)
-                    master.copy_(model_p)
-                if st is not None and not st:
-                    del state[master]
+            for j, p in self._indices():
+                model_p = self.model_of.get(p)
+                if model_p is None:
+                    continue
+                saved = incoming.get(j)
+                # without a saved master: rebuild it from the model param (as Apex did)
+                p.copy_(saved if saved is not None else model_p)
         self.copy_to_model()

@@ -38,6 +38,22 @@ def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return out
 
 
+def _match_state_dtypes(optimizer: torch.optim.Optimizer) -> None:
+    """Cast floating optimizer state to its param's dtype (the model may have been cast).
+
+    This is what ``Optimizer.load_state_dict`` does, so state loaded before initialize
+    ends up as if it had been loaded after.
+    """
+    for p in _all_params(optimizer):
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        for k, v in st.items():
+            if (k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point()
+                    and p.is_floating_point() and v.dtype != p.dtype):
+                st[k] = v.to(p.dtype)
+
+
 class OptimizerRecord:
     """What the adapter knows about one optimizer (also reachable as ``optimizer._amp_stash``).
 
@@ -64,6 +80,7 @@ class OptimizerRecord:
         self.fused = bool(optimizer.defaults.get("fused")) and getattr(
             optimizer, "_step_supports_amp_scaling", False)
         self.masters = MasterWeights(optimizer) if master_weights else None
+        _match_state_dtypes(optimizer)
         self.skip_next = False
         self.found_inf: torch.Tensor | None = None
         self.last_skipped: bool | torch.Tensor = False
