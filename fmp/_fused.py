@@ -21,7 +21,7 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["FusedSpec", "fused_step_", "fused_supported"]
+__all__ = ["FusedSpec", "check_and_unscale_owned_", "fused_step_", "fused_supported", "owned"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -71,6 +71,8 @@ def fused_supported(spec: FusedSpec | None, params: Any, grads: Any, state: Any)
     """
     if spec is None or torch.compiler.is_compiling():
         return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
     return _lists(spec, params, grads, state) is not None
 
 
@@ -115,3 +117,56 @@ def fused_step_(spec: FusedSpec, params: Any, grads: Any, state: Any,
                           is_first_step=False, **kw)
         return state._replace(count=count + finite_i)
     return None
+
+
+def check_and_unscale_owned_(grads: list[torch.Tensor], inv_scale: torch.Tensor
+                             ) -> torch.Tensor | None:
+    """Unscale grads in place and check them in one pass (torch's amp kernel), if safe.
+
+    Safe means the step owns every tensor: each is contiguous, no view of another tensor,
+    and no two share storage (autograd can hand one grad to two params, or an expanded
+    one). float32/float16 (and bfloat16 on CPU: the CUDA kernel rejects it) on one device.
+
+    Args:
+        grads: the grad tensors, fresh from autograd or from the accumulation sum.
+        inv_scale: 0-d float32 tensor the grads are multiplied by.
+
+    Returns:
+        The finite verdict (0-d bool tensor), or None when not safe (nothing touched).
+    """
+    if not grads:
+        return None
+    dev = grads[0].device
+    ok = (torch.float32, torch.float16) if dev.type == "cuda" else _DTYPES
+    seen: set[int] = set()
+    for g in grads:
+        if (g.device != dev or g.dtype not in ok or g._base is not None
+                or not g.is_contiguous()):
+            return None
+        ptr = g.untyped_storage().data_ptr()
+        if ptr in seen:
+            return None
+        seen.add(ptr)
+    found_inf = torch.zeros(1, dtype=torch.float32, device=dev)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
+                                                     inv_scale.reshape(1).to(torch.float32))
+    return found_inf[0] == 0
+
+
+def owned(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The grads, with a private copy of any the step does not own alone.
+
+    The in-place kernels write the unscaled grads back. autograd may return one tensor for
+    two params (both inputs of an add), an expanded tensor, or a view: those are cloned
+    (rare and small), so that every grad is written exactly once.
+    """
+    seen: set[int] = set()
+    out = []
+    for g in grads:
+        ptr = g.untyped_storage().data_ptr()
+        if g._base is not None or not g.is_contiguous() or ptr in seen:
+            g = g.clone(memory_format=torch.contiguous_format)
+            ptr = g.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out.append(g)
+    return out

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fmp._fused import fused_step_, fused_supported
+from fmp._fused import check_and_unscale_owned_, fused_step_, fused_supported, owned
 from fmp._grad import grad_with_aux
 from fmp.loss_scale import NoOpLossScale
 from fmp.optim import GradientTransformation, apply_updates
@@ -218,12 +218,17 @@ def _split_batch(batch: tuple[Any, ...], k: int) -> list[tuple[Any, ...]]:
     return [optree.tree_unflatten(spec, [c[j] for c in chunks]) for j in range(k)]
 
 
-def _grad_divisor(loss_scale: Any, accumulate: int, like: torch.Tensor) -> torch.Tensor | None:
-    """What the fused kernel divides the summed, scaled grads by: scale x micro-batches."""
+def _device_of(tree: Any) -> torch.device:
+    leaves = floating_leaves(tree)
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def _grad_divisor(loss_scale: Any, accumulate: int, grads: Any) -> torch.Tensor | None:
+    """What the summed, scaled grads must be divided by: scale x micro-batches (None: 1)."""
     if isinstance(loss_scale, NoOpLossScale):
         if accumulate == 1:
             return None
-        return torch.full((), float(accumulate), dtype=torch.float32, device=like.device)
+        return torch.full((), float(accumulate), dtype=torch.float32, device=_device_of(grads))
     s = loss_scale.loss_scale.to(torch.float32)
     return s if accumulate == 1 else s * float(accumulate)
 
@@ -386,10 +391,21 @@ def train_step(
             # One pass for the verdict on the still-scaled grads, then torch's fused kernel
             # divides by the scale, updates params and moments in place, or skips on device.
             grads = grad_sum if reduce_grads is None else reduce_grads(grad_sum)
-            finite = all_finite(grads) if grads_finite is None else grads_finite(grads)
+            g_leaves, g_spec = optree.tree_flatten(grads)
+            grads = optree.tree_unflatten(g_spec, owned(g_leaves))
+            divisor = _grad_divisor(state.loss_scale, accumulate, grads)
+            finite = None
+            if grads_finite is None:
+                # the grads are the step's own: unscale and check them in one pass
+                inv = (torch.ones((), device=_device_of(grads)) if divisor is None
+                       else divisor.reciprocal())
+                finite = check_and_unscale_owned_(optree.tree_leaves(grads), inv)
+                if finite is not None:
+                    divisor = None
+            if finite is None:
+                finite = all_finite(grads) if grads_finite is None else grads_finite(grads)
             opt_state = fused_step_(optimizer.fused, state.params, grads, state.opt_state,
-                                    _grad_divisor(state.loss_scale, accumulate, finite),
-                                    (~finite).to(torch.float32))
+                                    divisor, (~finite).to(torch.float32))
             params = state.params
         else:
             grads = state.loss_scale.unscale(grad_sum)

@@ -115,7 +115,10 @@ def select_tree(pred: torch.Tensor, on_true: T, on_false: T) -> T:
         )
     leaves_t, spec_t = optree.tree_flatten(on_true)
     leaves_f, spec_f = optree.tree_flatten(on_false)
-    if spec_t != spec_f:
+    # Dynamo in torch 2.11 cannot trace PyTreeSpec.__eq__; compiled code compares leaf
+    # counts (the eager run that precedes or mirrors it compares the full structures).
+    if (len(leaves_t) != len(leaves_f) if torch.compiler.is_compiling()
+            else spec_t != spec_f):
         raise ValueError(
             f"select_tree needs trees of one structure; on_true is {spec_t}, "
             f"on_false is {spec_f}"

@@ -24,7 +24,8 @@ def _setup(policy="fp16-mixed", opt=None, seed=0):
 
     step = fmp.train_step(loss_fn, opt, policy)
     ls = fmp.DynamicLossScale.create(initial=2.0**12, period=3)
-    state = fmp.TrainState.create(clone_tree(params), opt, ls)
+    params = fmp.get_policy(policy).cast_to_param(clone_tree(params))
+    state = fmp.TrainState.create(params, opt, ls)
     x, y = blobs(64)
     return step, state, x.cuda(), y.cuda()
 

@@ -398,3 +398,40 @@ def test_tied_weights_stay_tied():
     assert list(params) == ["0.weight"]
     new = {"0.weight": torch.zeros(5, 4)}
     assert torch.equal(apply_fn(new, torch.tensor([1, 2])), torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_donated_step_with_a_grad_shared_by_two_params(opt):
+    """autograd hands one grad tensor to both inputs of an add: it must be unscaled once."""
+    mk = (lambda: fmp.optim.sgd(0.1)) if opt == "sgd" else (lambda: fmp.optim.adamw(1e-2))
+    x = torch.randn(4, 4)
+
+    def loss_fn(p, a):
+        return ((p["a"] + p["b"]) @ a).square().mean()
+
+    params = {"a": torch.randn(3, 4), "b": torch.randn(3, 4)}
+    out = []
+    for donate in (False, True):
+        o = mk()
+        step = fmp.train_step(loss_fn, o, "fp32", donate=donate)
+        state = fmp.TrainState.create(clone_tree(params), o,
+                                      fmp.DynamicLossScale.create(initial=2.0**10))
+        for _ in range(3):
+            state, _ = step(state, x)
+        out.append(state.params)
+    for k in params:
+        torch.testing.assert_close(out[1][k], out[0][k], rtol=1e-5, atol=1e-6)
+
+
+def test_check_and_unscale_owned_refuses_aliases_and_views():
+    from fmp._fused import check_and_unscale_owned_
+
+    g = torch.ones(4)
+    inv = torch.tensor(0.5)
+    assert check_and_unscale_owned_([g, g], inv) is None and torch.equal(g, torch.ones(4))
+    base = torch.ones(8)
+    assert check_and_unscale_owned_([base[:4]], inv) is None
+    assert check_and_unscale_owned_([torch.ones(1).expand(4)], inv) is None
+    a, b = torch.ones(4), torch.tensor([1.0, float("inf")])
+    finite = check_and_unscale_owned_([a, b], inv)
+    assert finite is not None and not bool(finite) and torch.equal(a, torch.full((4,), 0.5))
