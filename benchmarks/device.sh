@@ -10,6 +10,12 @@ OUT=${OUT:-/tmp/out}
 what=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, optree; print('torch', torch.__version__, 'optree', optree.__version__)"
+if [ "$what" = quick ]; then
+    python3 -m pytest tests -q -p no:cacheprovider -o addopts="" -rA -k "compile or cuda" \
+        --ignore=tests/adapters --ignore=tests/distributed --ignore=tests/test_demo.py \
+        2>&1 | tee "$OUT/quick-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
+    what=bench
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
     python3 -m pytest tests -q -x -p no:cacheprovider -o addopts="" \
         --ignore=tests/adapters --ignore=tests/distributed --ignore=tests/test_demo.py \
