@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import math
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -153,6 +154,12 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, An
     return model, loss_fn, batch_fn
 
 
+def say(line: str) -> None:
+    """Print one whole line in one write (ranks share stdout under torchrun)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def params_digest(params: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(params):
@@ -187,9 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         step = torch.compile(step, fullgraph=True)
     n_params = sum(p.numel() for p in params.values())
     if rank == 0:
-        print(f"world {world} backend {backend} device {device.type} model {args.model}"
-              f"{' (tiny)' if args.tiny else ''} params {n_params / 1e6:.2f}M policy "
-              f"{policy}", flush=True)
+        say(f"world {world} backend {backend} device {device.type} model {args.model}"
+            f"{' (tiny)' if args.tiny else ''} params {n_params / 1e6:.2f}M policy {policy}")
     one, inf = torch.ones((), device=device), torch.full((), math.inf, device=device)
     log_every = args.log_every if args.log_every is not None else (1 if args.model == "mlp"
                                                                      else 10)
@@ -205,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         if t0 is not None:
             tokens += y.numel()
         if (log_every and i % log_every == 0) or i == args.steps - 1:
-            print(f"rank {rank} step {i} loss {float(m['loss']):.4f} skipped "
-                  f"{bool(m['skipped'])} scale {float(m['loss_scale']):g}"
-                  f"{' (inf injected here)' if bad else ''}", flush=True)
+            say(f"rank {rank} step {i} loss {float(m['loss']):.4f} skipped "
+                f"{bool(m['skipped'])} scale {float(m['loss_scale']):g}"
+                f"{' (inf injected here)' if bad else ''}")
     if device.type == "cuda":
         torch.cuda.synchronize()
     rate = ""
@@ -218,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     digests: list[Any] = [None] * world
     dist.all_gather_object(digests, digest)
     same = len(set(digests)) == 1
-    print(f"rank {rank} done: steps {args.steps} skips {int(state.skipped_total)} "
-          f"params {digest} identical across ranks {same}{rate}", flush=True)
+    say(f"rank {rank} done: steps {args.steps} skips {int(state.skipped_total)} "
+        f"params {digest} identical across ranks {same}{rate}")
     dist.destroy_process_group()
     return 0 if same else 1
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from helpers import ScaleGrad, blobs, mlp
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import fmp
@@ -24,9 +25,12 @@ BAD_UNIT = 24  # a row of the first layer's weight that lives in rank 1's shard 
 def fsdp_skips(rank, world):
     torch.manual_seed(0)
     model = mlp(hidden=HIDDEN, seed=0)
+    # an explicit CPU mesh: fully_shard's default mesh is CUDA's wherever CUDA is available
+    mesh = init_device_mesh("cpu", (world,))
     for layer in (model[0], model[2]):
-        fully_shard(layer, mp_policy=fd.fsdp_mixed_precision("bf16-mixed", root=False))
-    fully_shard(model, mp_policy=fd.fsdp_mixed_precision("bf16-mixed"))
+        fully_shard(layer, mesh=mesh,
+                    mp_policy=fd.fsdp_mixed_precision("bf16-mixed", root=False))
+    fully_shard(model, mesh=mesh, mp_policy=fd.fsdp_mixed_precision("bf16-mixed"))
     factor = {"f": torch.ones(HIDDEN)}
     seen = {}
 
