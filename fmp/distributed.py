@@ -145,13 +145,13 @@ def check_same_tree(tree: Any, group: Any = None) -> None:
         >>> fmp.distributed.check_same_tree({"w": torch.ones(3)})  # doctest: +SKIP
     """
     pg = check_group(group)
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    leaves, spec = optree.tree_flatten(tree)
     key = (pg, spec, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
                            else type(x) for x in leaves))
     if key in _VERIFIED:
         return
     dist = _dist()
-    names = [".".join(map(str, p)) or "<root>" for p in paths]
+    names = [".".join(map(str, p)) or "<root>" for p in optree.tree_paths(tree)]
     mine = (str(spec), [(n, _describe(x)) for n, x in zip(names, leaves, strict=True)])
     gathered: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(gathered, mine, group=pg)
