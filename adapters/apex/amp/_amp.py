@@ -65,7 +65,7 @@ class Amp:
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
         >>> with amp.autocast():
-        ...     loss = model(torch.ones(3, 4)).sum()
+        ...     loss = model(torch.ones(3, 4)).mean()
         >>> with amp.scale_loss(loss, opt) as scaled_loss:
         ...     scaled_loss.backward()
         >>> opt.step()

@@ -1,0 +1,25 @@
+"""Every Example in the adapter's docstrings runs and prints what it says."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+import torch
+
+import fmp
+
+MODULES = ["adapters.apex", "adapters.apex.amp", "adapters.apex.amp._amp",
+           "adapters.apex.amp._errors", "adapters.apex.amp._opt_levels",
+           "adapters.apex.amp._unscale", "adapters.apex.amp._log", "adapters.apex.amp._scaler",
+           "adapters.apex.amp._master", "adapters.apex.amp._optimizer",
+           "adapters.apex.amp._model", "adapters.apex.amp._casts"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    mod = importlib.import_module(name)
+    globs = {**vars(mod), "torch": torch, "fmp": fmp}
+    result = doctest.testmod(mod, extraglobs=globs, report=True)
+    assert result.failed == 0
