@@ -160,7 +160,7 @@ def build_fmp(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
     holder = {"state": fmp.TrainState.create(params, opt, scale,
                                              model_state=dict(buffers) if has_state else None)}
     if "compiled" in mode or "graph" in mode:
-        step_fn = torch.compile(step_fn, fullgraph=True)
+        step_fn = fmp.compile(step_fn)  # torch.compile(fullgraph=True) + known workarounds
     if "graph" in mode:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())

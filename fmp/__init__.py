@@ -4,7 +4,8 @@ Pure functions over parameter pytrees (optree) on torch.func: dtype policies, lo
 records, functional optimizers (``fmp.optim``) and a skip-safe train step with no host sync.
 """
 
-from fmp import optim
+from fmp import distributed, optim
+from fmp._compile import compile, inductor_workarounds
 from fmp.dtypes import dtype
 from fmp.functional import functional
 from fmp.loss_scale import (
@@ -31,9 +32,12 @@ __all__ = [
     "all_finite",
     "cast_params",
     "cast_tree",
+    "compile",
+    "distributed",
     "dtype",
     "functional",
     "get_policy",
+    "inductor_workarounds",
     "loss_scale_from_state_dict",
     "module_policies",
     "optim",

@@ -25,7 +25,7 @@ def _run(backend):
     state = fmp.TrainState.create(clone_tree(params), opt,
                                   fmp.DynamicLossScale.create(initial=2.0**10, period=2,
                                                               min_scale=0.25))
-    cstep = torch.compile(step, fullgraph=True, backend=backend)
+    cstep = fmp.compile(step, backend=backend)
     s_e, s_c = clone_tree(state), clone_tree(state)
     for i in range(6):
         f = torch.tensor(float("inf") if i in (2, 3) else 1.0)
@@ -48,3 +48,12 @@ def test_compiled_step_matches_eager_aot_eager():
 
 def test_compiled_step_matches_eager_inductor():
     _run("inductor")
+
+
+def test_workarounds_only_on_old_torch(monkeypatch):
+    import fmp._compile as fc
+
+    monkeypatch.setattr(fc, "_torch_version", lambda: (2, 11))
+    assert fmp.inductor_workarounds() == {"loop_ordering_after_fusion": False}
+    monkeypatch.setattr(fc, "_torch_version", lambda: (2, 13))
+    assert fmp.inductor_workarounds() == {}
