@@ -777,6 +777,21 @@ def sgd(
     return GradientTransformation(init, update, fused)
 
 
+def _adam_init(fn: str, sd: torch.dtype | None, amsgrad: bool) -> Callable[[Any], AdamState]:
+    """The ``init`` of Adam-family transformations: zero moments in the state dtype."""
+
+    def init(params: Any) -> AdamState:
+        leaves, spec = _flatten_params(fn, params)
+        return AdamState(
+            count=_count(leaves),
+            mu=optree.tree_unflatten(spec, _zeros(leaves, sd)),
+            nu=optree.tree_unflatten(spec, _zeros(leaves, sd)),
+            nu_max=optree.tree_unflatten(spec, _zeros(leaves, sd)) if amsgrad else None,
+        )
+
+    return init
+
+
 def _adam_like(
     fn: str,
     lr: float | Schedule,
@@ -795,14 +810,7 @@ def _adam_like(
         raise ValueError(f"{fn}: invalid amsgrad {amsgrad!r}; accepted: True or False")
     sd = _state_dtype(fn, state_dtype)
 
-    def init(params: Any) -> AdamState:
-        leaves, spec = _flatten_params(fn, params)
-        return AdamState(
-            count=_count(leaves),
-            mu=optree.tree_unflatten(spec, _zeros(leaves, sd)),
-            nu=optree.tree_unflatten(spec, _zeros(leaves, sd)),
-            nu_max=optree.tree_unflatten(spec, _zeros(leaves, sd)) if amsgrad else None,
-        )
+    init = _adam_init(fn, sd, amsgrad)
 
     def update(grads: Any, state: AdamState, params: Any = None) -> tuple[Any, AdamState]:
         g, spec = optree.tree_flatten(grads)
@@ -963,14 +971,7 @@ def scale_by_adam(
         raise ValueError(f"{fn}: invalid amsgrad {amsgrad!r}; accepted: True or False")
     sd = _state_dtype(fn, state_dtype)
 
-    def init(params: Any) -> AdamState:
-        leaves, spec = _flatten_params(fn, params)
-        return AdamState(
-            count=_count(leaves),
-            mu=optree.tree_unflatten(spec, _zeros(leaves, sd)),
-            nu=optree.tree_unflatten(spec, _zeros(leaves, sd)),
-            nu_max=optree.tree_unflatten(spec, _zeros(leaves, sd)) if amsgrad else None,
-        )
+    init = _adam_init(fn, sd, amsgrad)
 
     def update(grads: Any, state: AdamState, params: Any = None) -> tuple[Any, AdamState]:
         g, spec = optree.tree_flatten(grads)
