@@ -101,6 +101,22 @@ def test_functional_run_records_every_step(digits, policy):
     assert r.steps_per_s > 0 and r.peak_memory_mb is None
 
 
+def test_compile_flag_compiles_the_whole_step(digits, monkeypatch):
+    calls = []
+    real = torch.compile
+
+    def fast_compile(fn, **kw):  # inductor's C++ build is slow on a CPU; same graph capture
+        calls.append(kw)
+        return real(fn, **{**kw, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch, "compile", fast_compile)
+    torch._dynamo.reset()
+    eager = run.run_policy("bf16-mixed", digits, _cfg(steps=4))
+    compiled = run.run_policy("bf16-mixed", digits, _cfg(steps=4, compile=True))
+    assert calls == [{"fullgraph": True}]
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-5)
+
+
 def test_same_seed_same_run(digits):
     a = run.run_policy("fp32", digits, _cfg(steps=5))
     b = run.run_policy("fp32", digits, _cfg(steps=5))

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-EXPECTED = ["01_policies.ipynb", "02_loss_scaling.ipynb", "03_functional_train_step.ipynb"]
+EXPECTED = ["01_policies.ipynb", "02_loss_scaling.ipynb", "03_functional_train_step.ipynb",
+            "04_legacy_apex_loop.ipynb"]
 
 
 def _notebooks() -> list[Path]:
