@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 import fmp
+import fmp.distributed as fd
 from adapters.apex.amp._casts import Kind, cast_function, disable_casts
 from adapters.apex.amp._errors import AmpError
 from adapters.apex.amp._log import LOGGER, RateLimitedLog
@@ -21,7 +22,7 @@ from adapters.apex.amp._model import (
     register_fp32_state_dict,
 )
 from adapters.apex.amp._opt_levels import Properties, resolve_properties
-from adapters.apex.amp._optimizer import OptimizerRecord
+from adapters.apex.amp._optimizer import OptimizerRecord, is_dtensor
 from adapters.apex.amp._scaler import LossScaler
 
 __all__ = ["Amp"]
@@ -55,9 +56,22 @@ class Amp:
     Under the hood each loss scaler is an fmp record (:class:`fmp.DynamicLossScale` or
     :class:`fmp.StaticLossScale`) that this object swaps for the next one.
 
+    Distributed: wrap the model in DDP *after* ``initialize`` (as Apex required); DDP
+    all-reduces the grads in backward, so every rank sees the same overflow. With FSDP2
+    (``fully_shard``, applied *before* the optimizer is made and before ``initialize``)
+    each rank holds only its shard of the grads (DTensors): ``scale_loss`` then unscales
+    and checks the local shards and all-reduces the overflow verdict (MAX) over the
+    grads' device mesh, so every rank skips together. ``process_group`` makes that
+    all-reduce unconditional (e.g. grads edited on one rank after DDP's reduction).
+
     Args:
         scale_window: clean steps before a dynamic scale doubles. Apex hard-coded 2000;
             this is an extension (``initialize``'s signature stays Apex's).
+        process_group: None (default): the verdict is all-reduced only for sharded
+            (DTensor) grads, over their mesh. ``"default"`` or a
+            ``torch.distributed.ProcessGroup``: it is all-reduced over that group at every
+            ``scale_loss`` exit (one one-element collective, no extra host sync). Can be
+            set later through the attribute of the same name.
 
     Example:
         >>> amp = Amp()
@@ -73,11 +87,12 @@ class Amp:
         False
     """
 
-    def __init__(self, scale_window: int = 2000) -> None:
+    def __init__(self, scale_window: int = 2000, process_group: Any = None) -> None:
         if isinstance(scale_window, bool) or not isinstance(scale_window, int) or \
                 scale_window < 1:
             raise AmpError(f"scale_window must be an int >= 1, got {scale_window!r}")
         self.scale_window = scale_window
+        self.process_group = process_group
         self.initialized = False
         self.enabled = True
         self.properties: Properties | None = None
@@ -87,6 +102,21 @@ class Amp:
         self._log = RateLimitedLog(1)
         self._pending_state: Mapping[str, Any] | None = None
         self._registry: list[tuple[Any, str, Kind]] = []
+
+    @property
+    def process_group(self) -> Any:
+        """The group the overflow verdict is all-reduced over (None: sharded grads only)."""
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, group: Any) -> None:
+        if group is not None and not (isinstance(group, str) and group == "default"):
+            import torch.distributed as dist
+
+            if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+                raise AmpError(f"process_group must be None, 'default' or a "
+                               f"torch.distributed.ProcessGroup, got {group!r}")
+        self._process_group = group
 
     # ----------------------------------------------------------------------------------
     # initialize
@@ -195,6 +225,15 @@ class Amp:
         self.enabled, self.properties = True, props
         self._log.always(f"adapters.apex amp: selected optimization level {opt_level}: "
                          f"{props.describe()}")
+        if props.cast_model_type not in (None, torch.float32) or props.master_weights:
+            for m in model_list:
+                if any(is_dtensor(p) for p in m.parameters()):
+                    raise AmpError(
+                        f"opt_level {opt_level} casts the model and/or keeps float32 master "
+                        f"weights, but the model's params are DTensors (FSDP2 fully_shard), "
+                        f"whose dtypes FSDP2 manages itself: use O1 or O4 (autocast) with "
+                        f"fully_shard, or fully_shard's mp_policy "
+                        f"(fmp.distributed.fsdp_mixed_precision)")
         for m in model_list:
             self._setup_model(m, props)
         for o in opt_list:
@@ -344,15 +383,39 @@ class Amp:
             return
         found_inf = torch.zeros((), dtype=torch.float32, device=scaler.loss_scale.device)
         inv_scale = scaler.inv_scale()
+        meshes: list[Any] = []
         for rec in recs:
-            rec.post_backward(inv_scale, found_inf)
+            for mesh in rec.post_backward(inv_scale, found_inf):
+                if not any(mesh is m for m in meshes):
+                    meshes.append(mesh)
         if delay_overflow_check:
             return
+        if scaler.dynamic:
+            self._agree(found_inf, meshes)
         sync = scaler.dynamic and not all(rec.fused for rec in recs)
         skip = scaler.update(found_inf, sync)
         device_flag = found_inf if scaler.dynamic and not sync else None
         for rec in recs:
             rec.flag_overflow(device_flag, skip)
+
+    def _agree(self, found_inf: torch.Tensor, meshes: list[Any]) -> None:
+        """All-reduce (MAX) ``found_inf`` in place, so every rank skips together.
+
+        Over ``process_group`` when one is set; else over every dimension of the meshes of
+        the sharded grads (none: nothing to do). On the device: no host sync here.
+        """
+        if self._process_group is None and not meshes:
+            return
+        import torch.distributed as dist
+
+        if self._process_group is not None:
+            groups = [fd.check_group(self._process_group)]
+        else:
+            groups = [mesh.get_group(d) for mesh in meshes for d in range(mesh.ndim)]
+        flag = found_inf.view(1)
+        for pg in groups:
+            if dist.get_world_size(pg) > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
 
     # ----------------------------------------------------------------------------------
     # casts

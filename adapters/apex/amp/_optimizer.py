@@ -24,7 +24,16 @@ from adapters.apex.amp._errors import AmpError
 from adapters.apex.amp._master import MasterWeights, is_low_precision
 from adapters.apex.amp._unscale import unscale_and_check_
 
-__all__ = ["OptimizerRecord"]
+__all__ = ["OptimizerRecord", "is_dtensor"]
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2's params and grads)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(t, DTensor)
 
 
 def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -122,9 +131,23 @@ class OptimizerRecord:
                 p.grad = s if p.grad is None else p.grad + s
         self._stash = []
 
-    def post_backward(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-        """On ``scale_loss`` exit: unscale the new grads (fused check) and add the stash."""
+    def post_backward(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> list[Any]:
+        """On ``scale_loss`` exit: unscale the new grads (fused check) and add the stash.
+
+        DTensor grads (FSDP2) are unscaled and checked through their local shards, so
+        ``found_inf`` is this rank's verdict only; the device meshes of such grads are
+        returned (distinct, in order) for the caller to all-reduce the verdict over.
+        """
         new: list[torch.Tensor] = []
+        meshes: list[Any] = []
+
+        def local(g: torch.Tensor) -> torch.Tensor:
+            if not is_dtensor(g):
+                return g
+            if not any(g.device_mesh is m for m in meshes):
+                meshes.append(g.device_mesh)
+            return g.to_local()
+
         targets: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         if self.masters is not None:
             for master, model_p in self.masters.model_of.items():
@@ -134,7 +157,7 @@ class OptimizerRecord:
                 if g.is_sparse:
                     raise AmpError("sparse gradients are not supported with master weights")
                 g32 = g.detach().to(torch.float32)
-                new.append(g32)
+                new.append(local(g32))
                 targets.append((master, master.grad, g32))
         stashed = {id(p): s for p, s in self._stash}
         for p in _all_params(self.optimizer):
@@ -146,7 +169,7 @@ class OptimizerRecord:
                 if s is not None:
                     p.grad = s
                 continue
-            new.append(g._values() if g.is_sparse else g)
+            new.append(g._values() if g.is_sparse else local(g))
             if s is not None:
                 targets.append((p, s, g))
         with torch.no_grad():
@@ -161,6 +184,7 @@ class OptimizerRecord:
                     g.add_(old)
         self._stash = []
         self.has_scaled_grads = False
+        return meshes
 
     def flag_overflow(self, found_inf: torch.Tensor | None, skip: bool) -> None:
         """Record an exit's verdict: a host ``skip`` flag, or a device ``found_inf``."""
