@@ -222,6 +222,12 @@ def test_device_cuda_without_a_gpu_is_a_flag_error(capsys):
     assert e.value.code == 2 and "--device" in capsys.readouterr().err
 
 
+def test_missing_extra_is_a_clear_message(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "missing_extras", lambda: ["scikit-learn"])
+    assert cli.main(["--steps", "1"]) == 1
+    assert "pip install -e '.[demo]'" in capsys.readouterr().err
+
+
 def test_python_dash_m_fmp_delegates_to_the_demo(capsys):
     from fmp.__main__ import main as fmp_main
 

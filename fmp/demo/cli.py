@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -145,6 +147,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[DemoConfig, Path]:
     return cfg, ns.out
 
 
+def missing_extras() -> list[str]:
+    """The packages of the ``demo`` extra that are not installed.
+
+    Returns:
+        Distribution names (``scikit-learn``, ``matplotlib``, ``tqdm``), empty when all are.
+    """
+    wanted = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+    return [dist for mod, dist in wanted.items() if importlib.util.find_spec(mod) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo: train every policy, print the table, write the figure and JSON.
 
@@ -152,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         argv: command-line arguments (default ``sys.argv[1:]``); see ``--help``.
 
     Returns:
-        0 on success (an unavailable Apex level is reported, not an error).
+        0 on success (an unavailable Apex level is reported, not an error); 1 when a
+        package of the ``demo`` extra is missing (the message says which).
 
     Raises:
         SystemExit: code 2 for bad flags (argparse).
@@ -161,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         >>> main(["--steps", "20", "--policies", "fp32", "--out", "/tmp/d"])  # doctest: +SKIP
     """
     cfg, out = parse_args(argv)
+    missing = missing_extras()
+    if missing:
+        print(f"python -m fmp.demo needs the 'demo' extra (missing: {', '.join(missing)}): "
+              f"pip install -e '.[demo]'", file=sys.stderr)
+        return 1
     t0 = time.perf_counter()
     data = load_digits_split(cfg.seed, device=cfg.device)
     print(f"fmp {fmp.__version__} demo: digits {len(data.y_train)} train / "
