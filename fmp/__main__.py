@@ -1,7 +1,7 @@
 """``python -m fmp``: train a small network under a few policies and print what happened.
 
-When the demo (``fmp.demo``, the ``demo`` extra) is installed this runs it; otherwise a
-self-contained run on synthetic data.
+With the ``demo`` extra installed this is ``python -m fmp.demo`` (the digits demo, same
+flags); without it, a self-contained run on synthetic data.
 """
 
 from __future__ import annotations
@@ -49,12 +49,11 @@ def _tiny() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if importlib.util.find_spec("fmp.demo") is not None:
+    if importlib.util.find_spec("sklearn") is not None:
         from fmp.demo import main as demo_main
 
-        demo_main(argv)
-    else:
-        _tiny()
+        sys.exit(demo_main(argv))
+    _tiny()
 
 
 if __name__ == "__main__":
