@@ -21,7 +21,14 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["FusedSpec", "check_and_unscale_owned_", "fused_step_", "fused_supported", "owned"]
+__all__ = [
+    "FusedSpec",
+    "check_and_unscale_owned_",
+    "eager_kernels_ok",
+    "fused_step_",
+    "fused_supported",
+    "owned",
+]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -62,6 +69,12 @@ def _lists(spec: FusedSpec, params: Any, grads: Any, state: Any
     return p, g, moments
 
 
+def eager_kernels_ok() -> bool:
+    """True in plain eager mode: not being compiled, not inside a torch.func transform."""
+    return (not torch.compiler.is_compiling()
+            and torch._C._functorch.peek_interpreter_stack() is None)
+
+
 def fused_supported(spec: FusedSpec | None, params: Any, grads: Any, state: Any) -> bool:
     """Whether :func:`fused_step_` applies: eager mode, uniform trees, the same formulas.
 
@@ -69,9 +82,7 @@ def fused_supported(spec: FusedSpec | None, params: Any, grads: Any, state: Any)
     donation's copies) itself, and functionalization rejects these in-place kernels on
     the step's inputs (torch 2.13).
     """
-    if spec is None or torch.compiler.is_compiling():
-        return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if spec is None or not eager_kernels_ok():
         return False
     return _lists(spec, params, grads, state) is not None
 
@@ -153,14 +164,21 @@ def check_and_unscale_owned_(grads: list[torch.Tensor], inv_scale: torch.Tensor
     return found_inf[0] == 0
 
 
-def owned(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def owned(grads: list[torch.Tensor], others: Any = None) -> list[torch.Tensor]:
     """The grads, with a private copy of any the step does not own alone.
 
     The in-place kernels write the unscaled grads back. autograd may return one tensor for
-    two params (both inputs of an add), an expanded tensor, or a view: those are cloned
-    (rare and small), so that every grad is written exactly once.
+    two params (both inputs of an add), an expanded tensor, a view, or (from a custom
+    autograd Function) a tensor the caller holds: those are cloned (rare and small), so
+    that every grad is written exactly once and nothing of the caller's is written.
+
+    Args:
+        grads: the grad tensors.
+        others: a pytree of the caller's tensors (params, batch, state) that no grad may
+            share storage with.
     """
-    seen: set[int] = set()
+    seen: set[int] = {x.untyped_storage().data_ptr() for x in optree.tree_leaves(others)
+                      if isinstance(x, torch.Tensor)}
     out = []
     for g in grads:
         ptr = g.untyped_storage().data_ptr()

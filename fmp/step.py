@@ -9,7 +9,13 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fmp._fused import check_and_unscale_owned_, fused_step_, fused_supported, owned
+from fmp._fused import (
+    check_and_unscale_owned_,
+    eager_kernels_ok,
+    fused_step_,
+    fused_supported,
+    owned,
+)
 from fmp._grad import grad_with_aux
 from fmp.loss_scale import NoOpLossScale
 from fmp.optim import GradientTransformation, apply_updates
@@ -392,7 +398,7 @@ def train_step(
             # divides by the scale, updates params and moments in place, or skips on device.
             grads = grad_sum if reduce_grads is None else reduce_grads(grad_sum)
             g_leaves, g_spec = optree.tree_flatten(grads)
-            grads = optree.tree_unflatten(g_spec, owned(g_leaves))
+            grads = optree.tree_unflatten(g_spec, owned(g_leaves, (state, batch)))
             divisor = _grad_divisor(state.loss_scale, accumulate, grads)
             finite = None
             if grads_finite is None:
@@ -408,15 +414,27 @@ def train_step(
                                     divisor, (~finite).to(torch.float32))
             params = state.params
         else:
-            grads = state.loss_scale.unscale(grad_sum)
-            if accumulate > 1:
-                inv = 1.0 / accumulate
-                grads = optree.tree_map(lambda g: g * inv, grads)
-            if reduce_grads is not None:
-                grads = reduce_grads(grads)
-                finite = grads_finite(grads)
-            else:
-                finite = all_finite(grads)
+            grads, finite = None, None
+            if reduce_grads is None and eager_kernels_ok():
+                # eager: the grads are the step's own, unscale and check them in one pass
+                g_leaves, g_spec = optree.tree_flatten(grad_sum)
+                g_leaves = owned(g_leaves, (state, batch))
+                divisor = _grad_divisor(state.loss_scale, accumulate, grad_sum)
+                inv = (torch.ones((), device=_device_of(grad_sum)) if divisor is None
+                       else divisor.reciprocal())
+                finite = check_and_unscale_owned_(g_leaves, inv)
+                if finite is not None:
+                    grads = optree.tree_unflatten(g_spec, g_leaves)
+            if finite is None:
+                grads = state.loss_scale.unscale(grad_sum)
+                if accumulate > 1:
+                    inv_k = 1.0 / accumulate
+                    grads = optree.tree_map(lambda g: g * inv_k, grads)
+                if reduce_grads is not None:
+                    grads = reduce_grads(grads)
+                    finite = grads_finite(grads)
+                else:
+                    finite = all_finite(grads)
             updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
             new_params = apply_updates(state.params, updates)
             params = select_tree(finite, new_params, state.params)

@@ -435,3 +435,35 @@ def test_check_and_unscale_owned_refuses_aliases_and_views():
     a, b = torch.ones(4), torch.tensor([1.0, float("inf")])
     finite = check_and_unscale_owned_([a, b], inv)
     assert finite is not None and not bool(finite) and torch.equal(a, torch.full((4,), 0.5))
+
+
+class _GradIsInput(torch.autograd.Function):
+    """A custom Function whose backward hands back a tensor the caller holds."""
+
+    @staticmethod
+    def forward(w, x):
+        return (w * x).sum()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return x, None
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_step_never_writes_into_a_batch_tensor_returned_as_a_grad(donate):
+    x = torch.randn(5)
+    x0 = x.clone()
+    opt = fmp.optim.sgd(0.1)
+    step = fmp.train_step(lambda p, a: _GradIsInput.apply(p["w"], a), opt, "fp32",
+                          donate=donate)
+    state = fmp.TrainState.create({"w": torch.zeros(5)}, opt,
+                                  fmp.DynamicLossScale.create(initial=8.0))
+    state, _ = step(state, x)
+    assert torch.equal(x, x0)  # the unscale did not happen in the caller's tensor
+    # the backward ignores the (scaled) incoming grad, so the step divides x by the scale
+    torch.testing.assert_close(state.params["w"], -0.1 * x0 / 8.0)
