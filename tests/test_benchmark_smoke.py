@@ -17,6 +17,7 @@ def test_tiny_run_writes_results(tmp_path):
     out = train_step.main([
         "--device", "cpu", "--tiny", "--models", "gpt", "--steps", "2", "--warmup", "1",
         "--gpt-variants", "amp_fp16_eager,fmp_fp16_eager,fmp_fp16_eager_donate,fmp_bf16_eager",
+        "--rounds", "2",
         "--out", str(tmp_path), "--machine", "smoke",
     ])
     data = json.loads(next(tmp_path.glob("smoke-*.json")).read_text())
@@ -25,6 +26,7 @@ def test_tiny_run_writes_results(tmp_path):
         assert "error" not in gpt[v], gpt[v]
         assert gpt[v]["ms"] > 0 and gpt[v]["loss"] == pytest.approx(gpt[v]["loss"])
     # same model, same data, same seed: every variant's loss after two steps is close
+    assert len(gpt["fmp_fp16_eager"]["ms_rounds"]) == 2
     losses = [gpt[v]["loss"] for v in gpt]
     assert max(losses) - min(losses) < 0.05, losses
     r = data["ratios"]
