@@ -239,6 +239,22 @@ def _grad_divisor(loss_scale: Any, accumulate: int, grads: Any) -> torch.Tensor 
     return s if accumulate == 1 else s * float(accumulate)
 
 
+def _own(grads: Any, others: Any) -> Any:
+    """``grads`` with a private copy of any leaf the step does not own (see ``owned``)."""
+    leaves, spec = optree.tree_flatten(grads)
+    return optree.tree_unflatten(spec, owned(leaves, others))
+
+
+def _unscale_check_in_place(grads: Any, loss_scale: Any, accumulate: int
+                            ) -> torch.Tensor | None:
+    """Divide the step's own summed, scaled grads by scale x micro-batches and check them,
+    in one in-place pass; the finite verdict, or None where the kernel does not apply."""
+    divisor = _grad_divisor(loss_scale, accumulate, grads)
+    inv = (torch.ones((), device=_device_of(grads)) if divisor is None
+           else divisor.reciprocal())
+    return check_and_unscale_owned_(optree.tree_leaves(grads), inv)
+
+
 def _to_f32(g: Any) -> Any:
     return g.float() if isinstance(g, torch.Tensor) and g.is_floating_point() else g
 
@@ -394,37 +410,25 @@ def train_step(
                 loss_sum = loss if loss_sum is None else loss_sum + loss
         loss = loss_sum if accumulate == 1 else loss_sum * (1.0 / accumulate)
         if donate and fused_supported(optimizer.fused, state.params, grad_sum, state.opt_state):
-            # One pass for the verdict on the still-scaled grads, then torch's fused kernel
-            # divides by the scale, updates params and moments in place, or skips on device.
+            # One in-place pass unscales and checks the step's own grads (where the amp kernel
+            # cannot, a read-only check and the fused kernel divides by the scale); torch's
+            # fused kernel then updates params and moments in place, or skips on device.
             grads = grad_sum if reduce_grads is None else reduce_grads(grad_sum)
-            g_leaves, g_spec = optree.tree_flatten(grads)
-            grads = optree.tree_unflatten(g_spec, owned(g_leaves, (state, batch)))
-            divisor = _grad_divisor(state.loss_scale, accumulate, grads)
-            finite = None
+            grads = _own(grads, (state, batch))
+            finite, divisor = None, None
             if grads_finite is None:
-                # the grads are the step's own: unscale and check them in one pass
-                inv = (torch.ones((), device=_device_of(grads)) if divisor is None
-                       else divisor.reciprocal())
-                finite = check_and_unscale_owned_(optree.tree_leaves(grads), inv)
-                if finite is not None:
-                    divisor = None
+                finite = _unscale_check_in_place(grads, state.loss_scale, accumulate)
             if finite is None:
+                divisor = _grad_divisor(state.loss_scale, accumulate, grads)
                 finite = all_finite(grads) if grads_finite is None else grads_finite(grads)
             opt_state = fused_step_(optimizer.fused, state.params, grads, state.opt_state,
                                     divisor, (~finite).to(torch.float32))
             params = state.params
         else:
-            grads, finite = None, None
-            if reduce_grads is None and eager_kernels_ok():
-                # eager: the grads are the step's own, unscale and check them in one pass
-                g_leaves, g_spec = optree.tree_flatten(grad_sum)
-                g_leaves = owned(g_leaves, (state, batch))
-                divisor = _grad_divisor(state.loss_scale, accumulate, grad_sum)
-                inv = (torch.ones((), device=_device_of(grad_sum)) if divisor is None
-                       else divisor.reciprocal())
-                finite = check_and_unscale_owned_(g_leaves, inv)
-                if finite is not None:
-                    grads = optree.tree_unflatten(g_spec, g_leaves)
+            finite = None
+            if reduce_grads is None and eager_kernels_ok():  # the same one-pass unscale
+                grads = _own(grad_sum, (state, batch))
+                finite = _unscale_check_in_place(grads, state.loss_scale, accumulate)
             if finite is None:
                 grads = state.loss_scale.unscale(grad_sum)
                 if accumulate > 1:
