@@ -41,6 +41,21 @@ class FusedSpec:
         self.hp = hp
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Contiguous in the default or a channels-last layout: no gaps, no overlaps."""
+    if t.is_contiguous():
+        return True
+    if t.dim() == 4:
+        return t.is_contiguous(memory_format=torch.channels_last)
+    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def _same_layouts(p: list[torch.Tensor], others: list[list[torch.Tensor]]) -> bool:
+    """The fused kernels need each grad and moment laid out exactly as its param."""
+    return all(len(o) == 0 or all(a.stride() == b.stride() for a, b in zip(p, o, strict=True))
+               for o in others)
+
+
 def _uniform(tensors: list[torch.Tensor]) -> bool:
     if not tensors:
         return False
@@ -65,6 +80,8 @@ def _lists(spec: FusedSpec, params: Any, grads: Any, state: Any
     except (ValueError, TypeError, AttributeError):
         return None
     if not _uniform(p + g + [t for m in moments for t in m]):
+        return None
+    if not _same_layouts(p, [g, *moments]):
         return None
     return p, g, moments
 
@@ -130,34 +147,47 @@ def fused_step_(spec: FusedSpec, params: Any, grads: Any, state: Any,
     return None
 
 
-def check_and_unscale_owned_(grads: list[torch.Tensor], inv_scale: torch.Tensor
-                             ) -> torch.Tensor | None:
+def check_and_unscale_owned_(grads: list[torch.Tensor], inv_scale: torch.Tensor,
+                             owned_already: bool = False) -> torch.Tensor | None:
     """Unscale grads in place and check them in one pass (torch's amp kernel), if safe.
 
-    Safe means the step owns every tensor: each is contiguous, no view of another tensor,
-    and no two share storage (autograd can hand one grad to two params, or an expanded
-    one). float32/float16 (and bfloat16 on CPU: the CUDA kernel rejects it) on one device.
+    Safe means the step owns every tensor: each is dense (contiguous, or channels-last
+    contiguous), no view of another tensor, and no two share storage (autograd can hand
+    one grad to two params, or an expanded one). float32/float16 (and bfloat16 on CPU:
+    the CUDA kernel rejects it) on one device.
 
     Args:
         grads: the grad tensors, fresh from autograd or from the accumulation sum.
         inv_scale: 0-d float32 tensor the grads are multiplied by.
+        owned_already: the grads come from :func:`owned`, so only their devices and
+            dtypes are checked (the per-tensor storage checks cost host time that the
+            eager step would otherwise pay twice).
 
     Returns:
         The finite verdict (0-d bool tensor), or None when not safe (nothing touched).
+
+    Example:
+        >>> g = [torch.tensor([4.0, 8.0])]
+        >>> check_and_unscale_owned_(g, torch.tensor(0.25)).item(), g[0].tolist()
+        (True, [1.0, 2.0])
     """
     if not grads:
         return None
     dev = grads[0].device
     ok = (torch.float32, torch.float16) if dev.type == "cuda" else _DTYPES
-    seen: set[int] = set()
-    for g in grads:
-        if (g.device != dev or g.dtype not in ok or g._base is not None
-                or not g.is_contiguous()):
+    if owned_already:
+        if any(g.dtype not in ok or g.device != dev for g in grads):
             return None
-        ptr = g.untyped_storage().data_ptr()
-        if ptr in seen:
-            return None
-        seen.add(ptr)
+    else:
+        seen: set[int] = set()
+        for g in grads:
+            if (g.device != dev or g.dtype not in ok or g._base is not None
+                    or not _dense(g)):
+                return None
+            ptr = g.untyped_storage().data_ptr()
+            if ptr in seen:
+                return None
+            seen.add(ptr)
     found_inf = torch.zeros(1, dtype=torch.float32, device=dev)
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
                                                      inv_scale.reshape(1).to(torch.float32))
@@ -182,7 +212,7 @@ def owned(grads: list[torch.Tensor], others: Any = None) -> list[torch.Tensor]:
     out = []
     for g in grads:
         ptr = g.untyped_storage().data_ptr()
-        if g._base is not None or not g.is_contiguous() or ptr in seen:
+        if g._base is not None or not _dense(g) or ptr in seen:
             g = g.clone(memory_format=torch.contiguous_format)
             ptr = g.untyped_storage().data_ptr()
         seen.add(ptr)

@@ -252,7 +252,7 @@ def _unscale_check_in_place(grads: Any, loss_scale: Any, accumulate: int
     divisor = _grad_divisor(loss_scale, accumulate, grads)
     inv = (torch.ones((), device=_device_of(grads)) if divisor is None
            else divisor.reciprocal())
-    return check_and_unscale_owned_(optree.tree_leaves(grads), inv)
+    return check_and_unscale_owned_(optree.tree_leaves(grads), inv, owned_already=True)
 
 
 def _to_f32(g: Any) -> Any:

@@ -54,7 +54,8 @@ def assert_trees_bit_equal(a, b) -> None:
     for x, y in zip(la, lb, strict=True):
         if isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and x.shape == y.shape
-            assert torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8)), (x, y)
+            bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731 (any layout)
+            assert torch.equal(bits(x), bits(y)), (x, y)
         else:
             assert x == y
 

@@ -423,6 +423,54 @@ def test_donated_step_with_a_grad_shared_by_two_params(opt):
         torch.testing.assert_close(out[1][k], out[0][k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adamw"])
+def test_donated_fused_kernel_on_channels_last_params(opt, monkeypatch):
+    """ResNets train channels-last: their grads keep that layout and take the fused path."""
+    calls = []
+    for name in ("_fused_adamw_", "_fused_sgd_"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _r=real, **k: (calls.append(1), _r(*a, **k))[1])
+    mk = (lambda: fmp.optim.sgd(0.05, momentum=0.9)) if opt == "sgd_momentum" else (
+        lambda: fmp.optim.adamw(1e-2))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(4 * 6 * 6, 2)).to(memory_format=torch.channels_last)
+    apply_fn, params, _ = fmp.functional(net)
+    assert params["0.weight"].is_contiguous(memory_format=torch.channels_last)
+    assert not params["0.weight"].is_contiguous()
+
+    def loss_fn(p, x, y):
+        return torch.nn.functional.cross_entropy(apply_fn(p, x).float(), y)
+
+    x = torch.randn(8, 3, 8, 8).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 2, (8,))
+    out = []
+    for donate in (False, True):
+        o = mk()
+        step = fmp.train_step(loss_fn, o, "fp32", donate=donate)
+        state = fmp.TrainState.create(clone_tree(params), o,
+                                      fmp.DynamicLossScale.create(initial=2.0**10))
+        for _ in range(3):
+            state, m = step(state, x, y)
+            assert not bool(m["skipped"])
+        out.append(state.params)
+    assert len(calls) == 3
+    for k in params:
+        torch.testing.assert_close(out[1][k], out[0][k], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_step_refuses_grads_laid_out_unlike_their_params():
+    from fmp._fused import fused_step_
+
+    o = fmp.optim.sgd(0.1, momentum=0.9)
+    p = {"w": torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)}
+    state = o.init(p)
+    g = {"w": torch.randn(2, 3, 4, 4)}
+    before = clone_tree((p, state))
+    assert fused_step_(o.fused, p, g, state, None, torch.zeros(())) is None
+    assert_trees_bit_equal((p, state), before)
+
+
 def test_check_and_unscale_owned_refuses_aliases_and_views():
     from fmp._fused import check_and_unscale_owned_
 
