@@ -20,7 +20,7 @@ def test_seed_loop_learns(level):
     model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
     losses = []
     data = loader(12, batch=16, size=8)
-    for _epoch in range(3):
+    for _epoch in range(6):
         for inputs, labels in data:
             inputs, labels = inputs.to(device), labels.to(device)
             optimizer.zero_grad()
