@@ -150,13 +150,12 @@ class OptimizerRecord:
 
         targets: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         if self.masters is not None:
-            for master, model_p in self.masters.model_of.items():
-                g = model_p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise AmpError("sparse gradients are not supported with master weights")
-                g32 = g.detach().to(torch.float32)
+            pairs = [(master, model_p.grad) for master, model_p in self.masters.model_of.items()
+                     if model_p.grad is not None]
+            if any(g.is_sparse for _, g in pairs):
+                raise AmpError("sparse gradients are not supported with master weights")
+            for (master, _), g32 in zip(pairs, _float32_copies([g for _, g in pairs]),
+                                        strict=True):
                 new.append(local(g32))
                 targets.append((master, master.grad, g32))
         stashed = {id(p): s for p, s in self._stash}
@@ -211,6 +210,22 @@ class OptimizerRecord:
                     if p.grad is not None and "momentum_buffer" not in opt.state.get(p, {}):
                         return False
         return True
+
+
+def _float32_copies(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float32 copies of the model's half grads, each in its grad's layout.
+
+    One multi-tensor copy kernel (torch's ``_foreach_copy_`` converts dtypes) instead of a
+    cast per tensor: at the end of a step the GPU waits on those launches (ResNet-50 has
+    161). DTensor grads (FSDP2) are cast one by one.
+    """
+    if any(is_dtensor(g) for g in grads):
+        return [g.detach().to(torch.float32) for g in grads]
+    out = [torch.empty_like(g, dtype=torch.float32) for g in grads]
+    if out:
+        with torch.no_grad():
+            torch._foreach_copy_(out, [g.detach() for g in grads])
+    return out
 
 
 def _step(self: torch.optim.Optimizer, closure: Any = None, *args: Any, **kwargs: Any) -> Any:
