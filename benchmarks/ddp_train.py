@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     same = len(set(digests)) == 1
     say(f"rank {rank} done: steps {args.steps} skips {int(state.skipped_total)} "
         f"params {digest} identical across ranks {same}{rate}")
+    # every rank past its last collective before the group goes (torch 2.11's gloo once
+    # aborted at exit, "terminate called without an active exception", under load)
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if same else 1
 

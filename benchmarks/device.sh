@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine (the device tool), from the repo root, with .whl carried:
-#   bash benchmarks/device.sh verify|tests|quick|bench|all [extra args for train_step.py]
+#   bash benchmarks/device.sh verify|gpu|tests|quick|bench|all [extra args for train_step.py]
+# verify: CPU suite on this torch, CUDA tests, demo, bench; gpu: the same without the suite
 # optree is not installed there: it comes as a wheel in .whl/ (see benchmarks/NOTES.md).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -17,10 +18,13 @@ if [ "$what" = quick ]; then
     what=bench
 fi
 if [ "$what" = verify ]; then
-    # the whole suite on this machine's torch (CPU tests in parallel), then the CUDA tests
-    # one by one with their names, then the demo on the GPU; the benchmark follows
-    python3 -m pytest tests -q -p no:cacheprovider -o addopts="" -m "not cuda" -n 8 \
-        --timeout 150 -rfE 2>&1 | tee "$OUT/suite.log" | tail -25
+    # the whole suite on this machine's torch (CPU tests in parallel, 2 threads a worker)
+    OMP_NUM_THREADS=2 python3 -m pytest tests -q -p no:cacheprovider -o addopts="" \
+        -m "not cuda" -n 8 --timeout 400 -rfE 2>&1 | tee "$OUT/suite.log" | tail -25
+    what=gpu
+fi
+if [ "$what" = gpu ]; then
+    # the CUDA tests one by one with their names, then the demo on the GPU; bench follows
     python3 -m pytest tests -q -p no:cacheprovider -o addopts="" -m cuda -rA \
         2>&1 | tee "$OUT/cuda-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed"
     timeout 240 python3 -m fmp.demo --device cuda --no-progress --out "$OUT/demo" 2>&1 | tee "$OUT/demo.log" | tail -12
