@@ -147,15 +147,37 @@ FUSED_OPTS = {
 }
 
 
+def count_fused_calls(monkeypatch) -> list[int]:
+    """A list that grows by one on each call of torch's fused optimizer kernels."""
+    calls: list[int] = []
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _r=real, **k: (calls.append(1), _r(*a, **k))[1])
+    return calls
+
+
+def pure_and_donated(loss_fn, mk, params, *batch, steps=3):
+    """The same steps with donate=False, then True: [(final params, skip flags)] for each."""
+    out = []
+    for donate in (False, True):
+        o = mk()
+        step = fmp.train_step(loss_fn, o, "fp32", donate=donate)
+        state = fmp.TrainState.create(clone_tree(params), o,
+                                      fmp.DynamicLossScale.create(initial=2.0**10))
+        skipped = []
+        for _ in range(steps):
+            state, m = step(state, *batch)
+            skipped.append(bool(m["skipped"]))
+        out.append((state.params, skipped))
+    return out
+
+
 @pytest.mark.parametrize("opt", list(FUSED_OPTS))
 @pytest.mark.parametrize(("policy", "scaled", "accumulate"),
                          [("fp16-mixed", True, 1), ("bf16-mixed", False, 1),
                           ("fp16-mixed", True, 2), ("fp32", False, 2)])
 def test_donated_fused_kernel_matches_pure_path(opt, policy, scaled, accumulate, monkeypatch):
-    calls = []
-    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_"):
-        real = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, _r=real, **k: (calls.append(1), _r(*a, **k))[1])
+    calls = count_fused_calls(monkeypatch)
     mk = FUSED_OPTS[opt]
     ls = (lambda: fmp.DynamicLossScale.create(initial=2.0**10, period=2)) if scaled else (
         lambda: None)
@@ -410,26 +432,15 @@ def test_donated_step_with_a_grad_shared_by_two_params(opt):
         return ((p["a"] + p["b"]) @ a).square().mean()
 
     params = {"a": torch.randn(3, 4), "b": torch.randn(3, 4)}
-    out = []
-    for donate in (False, True):
-        o = mk()
-        step = fmp.train_step(loss_fn, o, "fp32", donate=donate)
-        state = fmp.TrainState.create(clone_tree(params), o,
-                                      fmp.DynamicLossScale.create(initial=2.0**10))
-        for _ in range(3):
-            state, _ = step(state, x)
-        out.append(state.params)
+    (pure, _), (donated, _) = pure_and_donated(loss_fn, mk, params, x)
     for k in params:
-        torch.testing.assert_close(out[1][k], out[0][k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(donated[k], pure[k], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("opt", ["sgd_momentum", "adamw"])
 def test_donated_fused_kernel_on_channels_last_params(opt, monkeypatch):
     """ResNets train channels-last: their grads keep that layout and take the fused path."""
-    calls = []
-    for name in ("_fused_adamw_", "_fused_sgd_"):
-        real = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, _r=real, **k: (calls.append(1), _r(*a, **k))[1])
+    calls = count_fused_calls(monkeypatch)
     mk = (lambda: fmp.optim.sgd(0.05, momentum=0.9)) if opt == "sgd_momentum" else (
         lambda: fmp.optim.adamw(1e-2))
     torch.manual_seed(0)
@@ -444,19 +455,11 @@ def test_donated_fused_kernel_on_channels_last_params(opt, monkeypatch):
 
     x = torch.randn(8, 3, 8, 8).to(memory_format=torch.channels_last)
     y = torch.randint(0, 2, (8,))
-    out = []
-    for donate in (False, True):
-        o = mk()
-        step = fmp.train_step(loss_fn, o, "fp32", donate=donate)
-        state = fmp.TrainState.create(clone_tree(params), o,
-                                      fmp.DynamicLossScale.create(initial=2.0**10))
-        for _ in range(3):
-            state, m = step(state, x, y)
-            assert not bool(m["skipped"])
-        out.append(state.params)
+    (pure, skipped_p), (donated, skipped_d) = pure_and_donated(loss_fn, mk, params, x, y)
+    assert skipped_p == skipped_d == [False] * 3
     assert len(calls) == 3
     for k in params:
-        torch.testing.assert_close(out[1][k], out[0][k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(donated[k], pure[k], rtol=1e-5, atol=1e-6)
 
 
 def test_fused_step_refuses_grads_laid_out_unlike_their_params():
