@@ -135,7 +135,7 @@ def build_torch(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
 
     def step() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        if "_ro" in mode:
+        if mode.endswith("_ro"):
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=low or torch.float32, enabled=low is not None):
             loss = forward(x, y)
@@ -300,7 +300,7 @@ def bench_unscale(device: str, tiny: bool) -> dict[str, float]:
     def fmp_donated():
         # train_step(donate=True), eager: the step owns its grads, so it unscales and checks
         # them in place in one pass (torch's amp kernel) before the fused optimizer kernel
-        check_and_unscale_owned_(owned(grads), inv)
+        check_and_unscale_owned_(owned(grads), inv, owned_already=True)
 
     def fmp_check_only():
         # the read-only verdict fmp falls back to (bf16 grads on CUDA, distributed)
