@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -89,6 +90,15 @@ class TrainState(NamedTuple):
         )
 
 
+class _Phases(NamedTuple):
+    """A train step's parts, for :func:`fmp.compile` to compile separately."""
+
+    grad_phase: Callable[..., Any]  # (state, batch, loss_impl) -> (grads, loss, aux, ms)
+    update_phase: Callable[..., Any]  # (state, batch, grads, loss, aux, ms) -> (state, m)
+    scaled_loss: Callable[..., Any]  # (params, loss_scale, lead, args, kwargs) -> ...
+    check_params: Callable[[Any], None]  # raises on a param of the wrong dtype
+
+
 def _autocast_ctx(params: Any, compute_dtype: torch.dtype, enabled: bool):
     if not enabled or compute_dtype not in (torch.float16, torch.bfloat16):
         return contextlib.nullcontext()
@@ -162,30 +172,42 @@ def value_and_grad(
     return fn
 
 
+def _scaled_loss_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, autocast: bool,
+                    param_policies: Mapping[str, Policy] | None) -> Callable[..., Any]:
+    """``f(params, loss_scale, lead, args, kwargs) -> (scaled_loss, (loss32, aux))``.
+
+    ``lead`` is passed to ``loss_fn`` before the batch and is not cast (model state).
+    """
+
+    def scaled_loss(p: Any, loss_scale: Any, lead: tuple[Any, ...], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]):
+        if param_policies is not None:
+            cp = cast_params(p, param_policies, "compute")
+        else:
+            cp = pol.cast_to_compute(p)
+        cargs, ckwargs = pol.cast_to_compute((args, kwargs))
+        with _autocast_ctx(p, pol.compute_dtype, autocast):
+            out = loss_fn(cp, *lead, *cargs, **ckwargs)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ValueError("with has_aux=True, loss_fn must return (loss, aux), got "
+                                 f"{type(out).__name__}")
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        loss32 = _check_loss(loss).float()
+        return loss_scale.scale(loss32), (loss32, aux)
+
+    return scaled_loss
+
+
 def _scaled_grad_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, autocast: bool,
                     param_policies: Mapping[str, Policy] | None) -> Callable[..., Any]:
     """``fn(params, loss_scale, *args, **kwargs) -> (scaled_grads, (loss32, aux))``."""
+    scaled_loss = _scaled_loss_fn(loss_fn, pol, has_aux, autocast, param_policies)
 
     def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
-        def scaled_loss(p: Any):
-            if param_policies is not None:
-                cp = cast_params(p, param_policies, "compute")
-            else:
-                cp = pol.cast_to_compute(p)
-            cargs, ckwargs = pol.cast_to_compute((args, kwargs))
-            with _autocast_ctx(p, pol.compute_dtype, autocast):
-                out = loss_fn(cp, *cargs, **ckwargs)
-            if has_aux:
-                if not (isinstance(out, tuple) and len(out) == 2):
-                    raise ValueError("with has_aux=True, loss_fn must return (loss, aux), got "
-                                     f"{type(out).__name__}")
-                loss, aux = out
-            else:
-                loss, aux = out, None
-            loss32 = _check_loss(loss).float()
-            return loss_scale.scale(loss32), (loss32, aux)
-
-        return grad_with_aux(scaled_loss, params)
+        return grad_with_aux(lambda p: scaled_loss(p, loss_scale, (), args, kwargs), params)
 
     return fn
 
@@ -362,9 +384,6 @@ def train_step(
             return dist_.all_finite(g, group=group)
     pol = get_policy(policy)
 
-    def scaled_grads(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return _scaled_grad_fn(fn, pol, True, autocast, param_policies)
-
     def split_out(out: Any) -> tuple[Any, Any, Any]:
         """-> (loss, new_model_state, aux) from loss_fn's return value."""
         if has_state:
@@ -385,21 +404,26 @@ def train_step(
             return out[0], None, out[1]
         return out, None, None
 
-    def step(state: TrainState, *batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        _check_param_dtypes(state.params, pol, param_policies)
+    def wrapped(p: Any, *rest: Any) -> Any:
+        """loss_fn as ``(p, [model_state,] *batch) -> (loss, (new_model_state, aux))``."""
+        loss, new_ms, a = split_out(loss_fn(p, *rest))
+        return loss, (new_ms, a)
+
+    scaled_loss = _scaled_loss_fn(wrapped, pol, True, autocast, param_policies)
+
+    def grad_phase(state: TrainState, batch: tuple[Any, ...], loss_impl: Callable[..., Any]
+                   ) -> tuple[Any, Any, Any, Any]:
+        """-> (summed scaled grads, mean loss, aux, new model state), nothing applied yet."""
         micro = _split_batch(batch, accumulate)
         model_state = state.model_state
         grad_sum: Any = None
         loss_sum: Any = None
         aux = None
         for mb in micro:
-            def wrapped(p: Any, *b: Any, _ms: Any = model_state) -> Any:
-                out = loss_fn(p, _ms, *b) if has_state else loss_fn(p, *b)
-                loss, new_ms, a = split_out(out)
-                return loss, (new_ms, a)
-
-            grads, (loss, (new_ms, aux)) = scaled_grads(wrapped)(state.params,
-                                                                 state.loss_scale, *mb)
+            lead = (model_state,) if has_state else ()
+            grads, (loss, (new_ms, aux)) = grad_with_aux(
+                lambda p, _l=lead, _b=mb: loss_impl(p, state.loss_scale, _l, _b, {}),
+                state.params)
             if has_state:
                 model_state = new_ms
             if accumulate == 1:
@@ -409,6 +433,11 @@ def train_step(
                 grad_sum = g32 if grad_sum is None else optree.tree_map(torch.add, grad_sum, g32)
                 loss_sum = loss if loss_sum is None else loss_sum + loss
         loss = loss_sum if accumulate == 1 else loss_sum * (1.0 / accumulate)
+        return grad_sum, loss, aux, model_state
+
+    def update_phase(state: TrainState, batch: tuple[Any, ...], grad_sum: Any, loss: Any,
+                     aux: Any, model_state: Any) -> tuple[TrainState, dict[str, Any]]:
+        """Unscale, check, update (or skip), adjust the scale: the rest of the step."""
         if donate and fused_supported(optimizer.fused, state.params, grad_sum, state.opt_state):
             # One in-place pass unscales and checks the step's own grads (where the amp kernel
             # cannot, a read-only check and the fused kernel divides by the scale); torch's
@@ -465,4 +494,11 @@ def train_step(
             metrics["aux"] = aux
         return new_state, metrics
 
+    def step(state: TrainState, *batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        _check_param_dtypes(state.params, pol, param_policies)
+        return update_phase(state, batch, *grad_phase(state, batch, scaled_loss))
+
+    step._fmp_phases = _Phases(grad_phase, update_phase, scaled_loss,  # type: ignore[attr-defined]
+                               functools.partial(_check_param_dtypes, pol=pol,
+                                                 param_policies=param_policies))
     return step

@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) of the whole train step equals eager, skips included."""
+"""fmp.compile of the train step (two graphs, or one: whole_graph) equals eager, skips too."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import fmp
 pytestmark = pytest.mark.slow
 
 
-def _run(backend):
+def _run(backend, whole_graph=False):
     x, y = blobs(32)
     net = mlp(seed=1)
     apply_fn, params, _ = fmp.functional(net)
@@ -25,7 +25,7 @@ def _run(backend):
     state = fmp.TrainState.create(clone_tree(params), opt,
                                   fmp.DynamicLossScale.create(initial=2.0**10, period=2,
                                                               min_scale=0.25))
-    cstep = fmp.compile(step, backend=backend)
+    cstep = fmp.compile(step, backend=backend, whole_graph=whole_graph)
     s_e, s_c = clone_tree(state), clone_tree(state)
     for i in range(6):
         f = torch.tensor(float("inf") if i in (2, 3) else 1.0)
@@ -42,8 +42,48 @@ def _run(backend):
             torch.testing.assert_close(s_c.params[k], s_e.params[k], rtol=1e-4, atol=1e-5)
 
 
-def test_compiled_step_matches_eager_aot_eager():
-    _run("aot_eager")
+@pytest.mark.parametrize("whole_graph", [False, True])
+def test_compiled_step_matches_eager_aot_eager(whole_graph):
+    _run("aot_eager", whole_graph)
+
+
+def test_two_graph_step_with_state_accumulation_and_aux():
+    """The two-graph compile carries model state, micro-batches and aux as eager does."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                              torch.nn.Linear(8, 3))
+    apply_fn, params, buffers = fmp.functional(net)
+
+    def loss_fn(p, ms, x, y):
+        out, new_ms = apply_fn(p, x, buffers=ms, return_buffers=True)
+        return F.cross_entropy(out.float(), y), (new_ms, out.float().mean())
+
+    opt = fmp.optim.sgd(0.1, momentum=0.9)
+    pols = fmp.module_policies(net, "bf16-mixed", {torch.nn.BatchNorm1d: "fp32"})
+    step = fmp.train_step(loss_fn, opt, "bf16-mixed", accumulate=2, has_state=True,
+                          has_aux=True, param_policies=pols)
+    cstep = fmp.compile(step, backend="aot_eager")
+    s_e = fmp.TrainState.create(clone_tree(params), opt, model_state=clone_tree(buffers))
+    s_c = clone_tree(s_e)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    for _ in range(3):
+        s_e, m_e = step(s_e, x, y)
+        s_c, m_c = cstep(s_c, x, y)
+        torch.testing.assert_close(m_c["aux"], m_e["aux"])
+        torch.testing.assert_close(m_c["loss"], m_e["loss"])
+    torch.testing.assert_close(s_c.params, s_e.params)
+    torch.testing.assert_close(s_c.model_state, s_e.model_state)
+    assert int(s_c.model_state["1.num_batches_tracked"]) == 6
+
+
+def test_two_graph_step_names_a_param_of_the_wrong_dtype():
+    net = mlp(seed=1)
+    apply_fn, params, _ = fmp.functional(net)
+    opt = fmp.optim.sgd(0.1)
+    step = fmp.train_step(lambda p, a: apply_fn(p, a).float().sum(), opt, "bf16-true")
+    state = fmp.TrainState.create(params, opt)  # float32 params, policy keeps bf16
+    with pytest.raises(ValueError, match=r"but the policy keeps params in torch\.bfloat16"):
+        fmp.compile(step, backend="eager")(state, torch.randn(2, 2))
 
 
 def test_compiled_step_matches_eager_inductor():

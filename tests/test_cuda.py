@@ -63,19 +63,31 @@ def test_cuda_step_has_no_host_sync():
     assert not bool(m["skipped"])
 
 
-def test_cuda_graph_capture_replays_the_step():
-    step, state, x, y = _setup()
-    f_static = torch.ones((), device="cuda")
+def _warm_up(step, state, *batch, n):
+    """``n`` steps on a side stream, as CUDA-graph capture wants; the state after them."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(2):
-            state, _ = step(state, x, y, f_static)
+        for _ in range(n):
+            state, _ = step(state, *batch)
     torch.cuda.current_stream().wait_stream(s)
-    static_in = clone_tree(state)
+    return state
+
+
+def _capture(step, state, *batch):
+    """One call of ``step`` captured in a CUDA graph: (graph, its state out, its metrics)."""
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        static_out, static_m = step(static_in, x, y, f_static)
+        out, metrics = step(state, *batch)
+    return g, out, metrics
+
+
+def test_cuda_graph_capture_replays_the_step():
+    step, state, x, y = _setup()
+    f_static = torch.ones((), device="cuda")
+    state = _warm_up(step, state, x, y, f_static, n=2)
+    static_in = clone_tree(state)
+    g, static_out, static_m = _capture(step, static_in, x, y, f_static)
     ref_state = clone_tree(static_in)
     for i in range(5):
         f_static.fill_(float("inf") if i == 2 else 1.0)
@@ -95,11 +107,14 @@ def test_cuda_graph_capture_replays_the_step():
 
 
 @pytest.mark.slow
-def test_cuda_compiled_step_matches_eager():
+@pytest.mark.parametrize("how", ["torch.compile", "fmp.compile", "fmp.compile-whole"])
+def test_cuda_compiled_step_matches_eager(how):
     step, state, x, y = _setup()
     one = torch.ones((), device="cuda")
     inf = torch.full((), float("inf"), device="cuda")
-    cstep = torch.compile(step, fullgraph=True)
+    cstep = {"torch.compile": lambda: torch.compile(step, fullgraph=True),
+             "fmp.compile": lambda: fmp.compile(step),
+             "fmp.compile-whole": lambda: fmp.compile(step, whole_graph=True)}[how]()
     s_e, s_c = clone_tree(state), clone_tree(state)
     for i in range(6):
         f = inf if i == 3 else one
@@ -109,3 +124,45 @@ def test_cuda_compiled_step_matches_eager():
         assert float(m_e["loss_scale"]) == float(m_c["loss_scale"])
         for k in s_e.params:
             torch.testing.assert_close(s_c.params[k], s_e.params[k], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_cuda_graph_of_fmp_compiled_donated_step():
+    """fmp.compile's two graphs (loss fwd/bwd, then update) with donation, captured in one
+    CUDA graph: replays update the state in place as the eager donated step does, and skip."""
+    import optree
+
+    net = mlp(seed=0).cuda()
+    apply_fn, params, _ = fmp.functional(net)
+    opt = fmp.optim.adamw(1e-2)
+
+    def loss_fn(p, x, y, f):
+        return F.cross_entropy(ScaleGrad.apply(apply_fn(p, x), f).float(), y)
+
+    eager = fmp.train_step(loss_fn, opt, "fp16-mixed", donate=True)
+    cstep = fmp.compile(fmp.train_step(loss_fn, opt, "fp16-mixed", donate=True))
+    x, y = (t.cuda() for t in blobs(64))
+    state = fmp.TrainState.create(clone_tree(params), opt,
+                                  fmp.DynamicLossScale.create(initial=2.0**12, period=3))
+    f = torch.ones((), device="cuda")
+    state = _warm_up(cstep, state, x, y, f, n=3)
+    ref = clone_tree(state)
+    g, out, m = _capture(cstep, state, x, y, f)
+    k0 = next(iter(state.params))
+    assert out.params[k0] is state.params[k0]  # donated: written in place
+    small = [(d, s_) for d, s_ in zip(optree.tree_leaves(state), optree.tree_leaves(out),
+                                      strict=True) if isinstance(d, torch.Tensor) and d is not s_]
+    for i in range(5):
+        f.fill_(float("inf") if i == 2 else 1.0)
+        before = clone_tree(state.params)
+        ref, ref_m = eager(ref, x, y, f)
+        g.replay()
+        torch._foreach_copy_([d for d, _ in small], [s_ for _, s_ in small])
+        torch.cuda.synchronize()
+        assert bool(m["skipped"]) == bool(ref_m["skipped"]) == (i == 2)
+        assert float(m["loss_scale"]) == float(ref_m["loss_scale"])
+        assert int(state.step) == int(ref.step)
+        if i == 2:
+            assert_trees_bit_equal(state.params, before)
+        torch.testing.assert_close(state.params, ref.params, rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(state.opt_state, ref.opt_state, rtol=1e-3, atol=1e-4)

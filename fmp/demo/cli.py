@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for curves.png and results.json, created (default: "
                         "%(default)s)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile(fullgraph=True) fmp's train step (slow start on CPU)")
+                   help="compile fmp's train step with fmp.compile (slow start on CPU)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bars")
     return p

@@ -36,7 +36,7 @@ class DemoConfig:
         weight_decay: AdamW's decoupled weight decay.
         seed: seeds the split, the initial weights and the batch order.
         device: ``"cpu"`` or ``"cuda"``.
-        compile: wrap fmp's train step in ``torch.compile(fullgraph=True)``.
+        compile: compile fmp's train step with :func:`fmp.compile` (two ``fullgraph=True`` graphs).
         progress: show a tqdm progress bar.
     """
 
@@ -173,7 +173,7 @@ def _run_functional(name: str, data: DigitsSplit, cfg: DemoConfig,
     scale = fmp.DynamicLossScale.create(device=device) if needs_scaling else None
     step = fmp.train_step(loss_fn, opt, policy)
     if cfg.compile:
-        step = torch.compile(step, fullgraph=True)
+        step = fmp.compile(step)  # two fullgraph graphs: loss (fwd/bwd), update
     state = fmp.TrainState.create(params, opt, scale)
 
     idx = batch_indices(len(data.y_train), cfg.batch_size, cfg.steps, cfg.seed).to(device)
