@@ -4,10 +4,12 @@
     python benchmarks/train_step.py --tiny --device cpu  # smoke test (the suite runs this)
 
 Per variant: median step time over the timed steps (CUDA events), throughput, MFU against a
-bf16 matmul peak measured in this run, peak memory, host syncs in one step (counted with
+bf16 matmul peak measured in this run, peak memory (the variant's own: what it allocated on
+top of what was allocated before it was built), host syncs in one step (counted with
 torch.cuda.set_sync_debug_mode("warn")), and the loss after the timed steps. Also the
 unscale + overflow check over 124M float32 grads against a copy of the same tensors.
 Prints a table and writes ``<out>/<machine>-<date>.json`` with a "ratios" object.
+``benchmarks/diagnose.py`` says where a variant's memory and GPU time go.
 """
 
 from __future__ import annotations
@@ -120,11 +122,15 @@ def build_torch(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
     def forward(a, b):
         return loss_of(model(a), b)
 
+    ro = mode.endswith("_ro") or "_ro_" in mode
     if "compiled" in mode:
         # "compiled": torch.compile(model), the loss outside it; "compiled_loss": model and
         # loss in one compiled function (nanoGPT's habit; the peer's best, see anchors-h200.md);
         # "_ro" suffix: mode="reduce-overhead" (CUDA graphs)
-        kw = {"mode": "reduce-overhead"} if mode.endswith("_ro") else {}
+        # "_combo" suffix: inductor's horizontal fusion of independent small kernels
+        kw = {"mode": "reduce-overhead"} if ro else {}
+        if mode.endswith("_combo"):
+            kw = {"options": {"combo_kernels": True, "triton.cudagraphs": ro}}
         if "compiled_loss" in mode:
             forward = torch.compile(forward, **kw)
         else:
@@ -135,7 +141,7 @@ def build_torch(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
 
     def step() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        if mode.endswith("_ro"):
+        if ro:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=low or torch.float32, enabled=low is not None):
             loss = forward(x, y)
@@ -174,7 +180,9 @@ def build_fmp(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
     holder = {"state": fmp.TrainState.create(params, opt, scale,
                                              model_state=dict(buffers) if has_state else None)}
     if "compiled" in mode or "graph" in mode:
-        step_fn = fmp.compile(step_fn)  # torch.compile(fullgraph=True) + known workarounds
+        # two graphs (loss fwd/bwd partitioned by AOTAutograd, then the update), or with
+        # "_whole" one graph of torch.func.grad; fullgraph=True + known workarounds
+        step_fn = fmp.compile(step_fn, whole_graph="whole" in mode)
     if "graph" in mode:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -329,15 +337,27 @@ GPT_VARIANTS = ["fp32", "amp_fp16_eager", "amp_bf16_eager", "fmp_fp16_eager",
                 "fmp_bf16_eager", "fmp_fp16_eager_donate", "apex_o1", "apex_o2",
                 "amp_fp16_compiled", "amp_fp16_compiled_loss", "fmp_fp16_compiled",
                 "fmp_fp16_graph"]
+# also accepted: amp_fp16_compiled_ro, amp_fp16_compiled_loss_ro (reduce-overhead), the
+# same with _combo (inductor's combo_kernels, which fmp.compile turns on for its steps),
+# fmp_fp16_compiled_whole, fmp_fp16_graph_whole (fmp.compile(..., whole_graph=True))
 RESNET_VARIANTS = ["fp32", "amp_fp16_eager", "amp_bf16_eager", "apex_o1", "apex_o2",
                    "fmp_fp16_eager", "fmp_fp16_eager_donate"]
 
 
-def run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
+def _fresh(device: str) -> int:
+    """Drop what earlier variants left (compiled graphs, CUDA-graph pools); bytes still held."""
+    torch._dynamo.reset()
     gc.collect()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    if device != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
+    base = _fresh(args.device)
     t0 = time.perf_counter()
     try:
         step, info = build(model_name, variant, args.device, args.tiny)
@@ -365,7 +385,10 @@ def run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
          "throughput": info["items_per_step"] / (med * 1e-3), "unit": info["unit"],
          "wall_s": time.perf_counter() - t0}
     if args.device == "cuda":
-        r["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        # the variant's own peak: model, state, compile, graphs, steps (not what is left
+        # of earlier variants, which _fresh could not free)
+        r["peak_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
+        r["baseline_gb"] = base / 1e9
     if info["flops_per_step"] and args.peak:
         r["mfu"] = info["flops_per_step"] / (med * 1e-3) / (args.peak * 1e12)
     del step
@@ -395,7 +418,9 @@ def ratios(res: dict[str, dict[str, Any]], unscale: dict[str, float]) -> dict[st
     out: dict[str, Any] = {}
     gpt = res.get("gpt", {})
     best_amp_c = max((v for v in ("amp_fp16_compiled", "amp_fp16_compiled_ro",
-                                  "amp_fp16_compiled_loss", "amp_fp16_compiled_loss_ro")
+                                  "amp_fp16_compiled_loss", "amp_fp16_compiled_loss_ro",
+                                  "amp_fp16_compiled_loss_combo",
+                                  "amp_fp16_compiled_loss_ro_combo")
                       if thr("gpt", v)), key=lambda v: thr("gpt", v), default=None)
     best_fmp_c = max((v for v in ("fmp_fp16_compiled", "fmp_fp16_graph") if thr("gpt", v)),
                      key=lambda v: thr("gpt", v), default=None)

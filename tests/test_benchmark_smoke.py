@@ -41,3 +41,24 @@ def test_bad_flags_exit_2(capsys):
         train_step.main(["--device", "cpu", "--steps", "0"])
     assert info.value.code == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_memory_peak_replays_allocator_events():
+    import memory_peak
+
+    def ev(action, addr, size, where="model.py"):
+        return {"action": action, "addr": addr, "size": size,
+                "frames": [{"filename": f"/x/{where}", "line": 1, "name": "f"}]}
+
+    events = [
+        ev("free_requested", 99, 10**9),  # allocated before the trace: ignored
+        ev("alloc", 1, 2 * 10**9, "a.py"), ev("alloc", 2, 10**9, "b.py"),
+        ev("free_requested", 2, 10**9, "b.py"),
+        ev("alloc", 3, 5 * 10**8, "b.py"), ev("alloc", 4, 5 * 10**8, "b.py"),
+        ev("alloc", 5, 5 * 10**8, "c.py"),  # the peak: 2 + 0.5 + 0.5 + 0.5 GB
+        ev("free_requested", 1, 2 * 10**9, "a.py"),
+    ]
+    out = memory_peak.peak_of(events)
+    assert out["peak_gb"] == pytest.approx(3.5)
+    assert [(s["gb"], s["n"]) for s in out["sites"]] == [(2.0, 1), (1.0, 2), (0.5, 1)]
+    assert out["sites"][0]["where"].startswith("a.py:1")
