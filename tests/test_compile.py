@@ -97,3 +97,36 @@ def test_workarounds_only_on_old_torch(monkeypatch):
     assert fmp.inductor_workarounds() == {"loop_ordering_after_fusion": False}
     monkeypatch.setattr(fc, "_torch_version", lambda: (2, 13))
     assert fmp.inductor_workarounds() == {}
+
+
+def test_two_graph_donated_step_does_not_recompile():
+    """After the first call, steps (skipped ones too) reuse the two graphs; donation writes
+    the state in place as the eager donated step does."""
+    x, y = blobs(32)
+    apply_fn, params, _ = fmp.functional(mlp(seed=2))
+
+    def loss_fn(p, a, b, f):
+        return F.cross_entropy(ScaleGrad.apply(apply_fn(p, a), f).float(), b)
+
+    opt = fmp.optim.adamw(1e-2)
+    eager = fmp.train_step(loss_fn, opt, "fp16-mixed", donate=True)
+    cstep = fmp.compile(fmp.train_step(loss_fn, opt, "fp16-mixed", donate=True),
+                        backend="aot_eager")
+    s_e = fmp.TrainState.create(clone_tree(params), opt, fmp.DynamicLossScale.create())
+    s_c = clone_tree(s_e)
+    one = torch.ones(())
+    s_e, _ = eager(s_e, x, y, one)
+    s_c, _ = cstep(s_c, x, y, one)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(4):
+            f = torch.tensor(float("inf") if i == 1 else 1.0)
+            before = clone_tree(s_c.params)
+            w = s_c.params["0.weight"]
+            s_e, m_e = eager(s_e, x, y, f)
+            s_c, m_c = cstep(s_c, x, y, f)
+            assert s_c.params["0.weight"] is w  # donated: the same tensor, updated in place
+            assert bool(m_c["skipped"]) == bool(m_e["skipped"]) == (i == 1)
+            assert float(m_c["loss_scale"]) == float(m_e["loss_scale"])
+            if i == 1:
+                assert_trees_bit_equal(s_c.params, before)
+            torch.testing.assert_close(s_c.params, s_e.params, rtol=1e-4, atol=1e-5)

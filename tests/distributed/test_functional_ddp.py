@@ -105,10 +105,12 @@ def test_train_step_rejects_a_misspelt_group(result):
 def test_compiled_data_parallel_step_equals_eager(slow_result):
     for r in slow_result("compiled_step_equals_eager"):
         for bad, runs in r.items():
-            (s_e, m_e), (s_c, m_c) = runs["eager"], runs["compiled"]
-            assert_trees_bit_equal(s_c.params, s_e.params)
-            assert bool(m_c["skipped"]) == bool(m_e["skipped"]) == bad
-            assert torch.equal(m_c["loss_scale"], m_e["loss_scale"])
+            s_e, m_e = runs["eager"]
+            for how in ("compiled", "fmp.compile"):
+                s_c, m_c = runs[how]
+                assert_trees_bit_equal(s_c.params, s_e.params)
+                assert bool(m_c["skipped"]) == bool(m_e["skipped"]) == bad
+                assert torch.equal(m_c["loss_scale"], m_e["loss_scale"])
 
 
 # ---- in this (single, uninitialised) process ----------------------------------------

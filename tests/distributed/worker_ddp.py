@@ -142,17 +142,20 @@ def train_step_rejects_bad_group(rank, world):
 
 
 def compiled_step_equals_eager(rank, world):
-    """torch.compile(fullgraph=True) traces the data-parallel step (functional collectives)."""
+    """torch.compile(fullgraph=True) traces the data-parallel step (functional collectives),
+    as one graph and as fmp.compile's two (the update graph holds the collectives)."""
     loss_fn, opt, state = _setup("bf16-mixed", fmp.DynamicLossScale.create(), fmp.optim.sgd(0.1))
     step = fmp.train_step(loss_fn, opt, "bf16-mixed", process_group="default")
     x, y = blobs(N)
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    two_graphs = fmp.compile(step, backend="aot_eager")
     out = {}
     for bad in (False, True):  # one trace: the factor is a tensor input
         factor = torch.tensor(float("inf") if bad and rank == 1 else 1.0)
         eager = step(state, x, y, factor)  # (the first eager call checks the tree)
-        out[bad] = {"eager": eager, "compiled": compiled(state, x, y, factor)}
+        out[bad] = {"eager": eager, "compiled": compiled(state, x, y, factor),
+                    "fmp.compile": two_graphs(state, x, y, factor)}
     return out
 
 
