@@ -51,9 +51,7 @@ def _split_step(phases: Any, kwargs: dict[str, Any]) -> Callable[..., Any]:
     update_c = torch.compile(phases.update_phase, **kwargs)
 
     def step(state: Any, *batch: Any) -> Any:
-        phases.check_params(state.params)
-        grads, loss, aux, model_state = phases.grad_phase(state, batch, loss_c)
-        return update_c(state, batch, grads, loss, aux, model_state)
+        return phases.run(state, batch, loss_c, update_c)
 
     return step
 
@@ -63,12 +61,11 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
     """Compile a train step (or any function) with torch.compile and fmp's workarounds.
 
     A step from :func:`fmp.train_step` (the function it returns, not a wrapper around it)
-    is compiled as two graphs by default: the loss with
-    its casts, whose forward and backward AOTAutograd partitions (its min-cut partitioner
-    picks what the backward keeps and recomputes; one graph kept a second logits-sized
-    buffer alive on the GPT-2 step: 10.3 GB at the peak against 8.5) and autograd runs,
-    then the update (unscale, finite check,
-    optimizer, skip select, loss-scale adjustment, donation) as a second graph. Both are
+    is compiled as two graphs by default: the loss with its casts, whose forward and
+    backward AOTAutograd partitions (its min-cut partitioner picks what the backward keeps
+    and recomputes; one graph kept a second logits-sized buffer alive on the GPT-2 step:
+    10.3 GB at the peak against 8.5) and autograd runs, then the update (unscale, finite
+    check, optimizer, skip select, loss-scale adjustment, donation). Both are
     ``fullgraph=True``; neither synchronises the host, and the pair can be captured in one
     CUDA graph. ``whole_graph=True`` compiles the step as one graph instead
     (``torch.func.grad`` traced inside it), as any other ``fn`` is compiled:

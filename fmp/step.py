@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -93,10 +92,9 @@ class TrainState(NamedTuple):
 class _Phases(NamedTuple):
     """A train step's parts, for :func:`fmp.compile` to compile separately."""
 
-    grad_phase: Callable[..., Any]  # (state, batch, loss_impl) -> (grads, loss, aux, ms)
-    update_phase: Callable[..., Any]  # (state, batch, grads, loss, aux, ms) -> (state, m)
     scaled_loss: Callable[..., Any]  # (params, loss_scale, lead, args, kwargs) -> ...
-    check_params: Callable[[Any], None]  # raises on a param of the wrong dtype
+    update_phase: Callable[..., Any]  # (state, batch, grads, loss, aux, ms) -> (state, m)
+    run: Callable[..., Any]  # (state, batch, scaled_loss, update_phase) -> (state, m)
 
 
 def _autocast_ctx(params: Any, compute_dtype: torch.dtype, enabled: bool):
@@ -160,11 +158,12 @@ def value_and_grad(
         >>> grads["w"].dtype, bool(finite)
         (torch.float32, True)
     """
-    scaled_grads = _scaled_grad_fn(loss_fn, get_policy(policy), has_aux, autocast,
-                                   param_policies)
+    scaled_loss = _scaled_loss_fn(loss_fn, get_policy(policy), has_aux, autocast,
+                                  param_policies)
 
     def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
-        grads, (loss, aux) = scaled_grads(params, loss_scale, *args, **kwargs)
+        grads, (loss, aux) = grad_with_aux(
+            lambda p: scaled_loss(p, loss_scale, (), args, kwargs), params)
         grads = loss_scale.unscale(grads)
         finite = all_finite(grads)
         return ((loss, aux) if has_aux else loss), grads, finite
@@ -199,17 +198,6 @@ def _scaled_loss_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, aut
         return loss_scale.scale(loss32), (loss32, aux)
 
     return scaled_loss
-
-
-def _scaled_grad_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, autocast: bool,
-                    param_policies: Mapping[str, Policy] | None) -> Callable[..., Any]:
-    """``fn(params, loss_scale, *args, **kwargs) -> (scaled_grads, (loss32, aux))``."""
-    scaled_loss = _scaled_loss_fn(loss_fn, pol, has_aux, autocast, param_policies)
-
-    def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
-        return grad_with_aux(lambda p: scaled_loss(p, loss_scale, (), args, kwargs), params)
-
-    return fn
 
 
 def _check_param_dtypes(params: Any, pol: Policy,
@@ -494,11 +482,15 @@ def train_step(
             metrics["aux"] = aux
         return new_state, metrics
 
-    def step(state: TrainState, *batch: Any) -> tuple[TrainState, dict[str, Any]]:
+    def run(state: TrainState, batch: tuple[Any, ...], loss_impl: Callable[..., Any],
+            update_impl: Callable[..., Any]) -> tuple[TrainState, dict[str, Any]]:
+        """The step, with the scaled loss and the update phase given (fmp.compile passes
+        compiled ones)."""
         _check_param_dtypes(state.params, pol, param_policies)
-        return update_phase(state, batch, *grad_phase(state, batch, scaled_loss))
+        return update_impl(state, batch, *grad_phase(state, batch, loss_impl))
 
-    step._fmp_phases = _Phases(grad_phase, update_phase, scaled_loss,  # type: ignore[attr-defined]
-                               functools.partial(_check_param_dtypes, pol=pol,
-                                                 param_policies=param_policies))
+    def step(state: TrainState, *batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        return run(state, batch, scaled_loss, update_phase)
+
+    step._fmp_phases = _Phases(scaled_loss, update_phase, run)  # type: ignore[attr-defined]
     return step
