@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fmp._compute_copy import current_copy, stamp
 from fmp._fused import (
     check_and_unscale_owned_,
     eager_kernels_ok,
@@ -36,6 +37,10 @@ class TrainState(NamedTuple):
         step: 0-d int64 tensor, the number of step calls so far (skipped ones included).
         model_state: buffers such as BatchNorm running statistics, or None.
         skipped_total: 0-d int32 tensor, how many steps were skipped (never reset).
+        compute_params: the params cast to the compute dtype, written by the last step's
+            update (``train_step(..., compute_copy=True)``, mixed policies), or None. A
+            cache: the next step reads it instead of casting the params, and rebuilds it
+            whenever it cannot tell that it is current (see :func:`train_step`).
 
     Example:
         >>> state = fmp.TrainState.create({"w": torch.zeros(3)}, fmp.optim.sgd(0.1))
@@ -49,6 +54,7 @@ class TrainState(NamedTuple):
     step: torch.Tensor
     model_state: Any = None
     skipped_total: torch.Tensor | None = None
+    compute_params: Any = None
 
     @classmethod
     def create(cls, params: Any, optimizer: GradientTransformation, loss_scale: Any = None,
@@ -92,7 +98,7 @@ class TrainState(NamedTuple):
 class _Phases(NamedTuple):
     """A train step's parts, for :func:`fmp.compile` to compile separately."""
 
-    scaled_loss: Callable[..., Any]  # (params, loss_scale, lead, args, kwargs) -> ...
+    scaled_loss: Callable[..., Any]  # (params, loss_scale, lead, args, kwargs, cast) -> ...
     update_phase: Callable[..., Any]  # (state, batch, grads, loss, aux, ms) -> (state, m)
     run: Callable[..., Any]  # (state, batch, scaled_loss, update_phase) -> (state, m)
 
@@ -163,7 +169,7 @@ def value_and_grad(
 
     def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
         grads, (loss, aux) = grad_with_aux(
-            lambda p: scaled_loss(p, loss_scale, (), args, kwargs), params)
+            lambda p: scaled_loss(p, loss_scale, (), args, kwargs, True), params)
         grads = loss_scale.unscale(grads)
         finite = all_finite(grads)
         return ((loss, aux) if has_aux else loss), grads, finite
@@ -171,19 +177,26 @@ def value_and_grad(
     return fn
 
 
+def _param_caster(pol: Policy, param_policies: Mapping[str, Policy] | None
+                  ) -> Callable[[Any], Any]:
+    """The cast of a params tree to its compute dtypes (per param with ``param_policies``)."""
+    if param_policies is not None:
+        return lambda p: cast_params(p, param_policies, "compute")
+    return pol.cast_to_compute
+
+
 def _scaled_loss_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, autocast: bool,
                     param_policies: Mapping[str, Policy] | None) -> Callable[..., Any]:
-    """``f(params, loss_scale, lead, args, kwargs) -> (scaled_loss, (loss32, aux))``.
+    """``f(params, loss_scale, lead, args, kwargs, cast) -> (scaled_loss, (loss32, aux))``.
 
-    ``lead`` is passed to ``loss_fn`` before the batch and is not cast (model state).
+    ``lead`` is passed to ``loss_fn`` before the batch and is not cast (model state);
+    ``cast=False``: ``params`` are already in their compute dtypes (the step's copy).
     """
+    cast_p = _param_caster(pol, param_policies)
 
     def scaled_loss(p: Any, loss_scale: Any, lead: tuple[Any, ...], args: tuple[Any, ...],
-                    kwargs: dict[str, Any]):
-        if param_policies is not None:
-            cp = cast_params(p, param_policies, "compute")
-        else:
-            cp = pol.cast_to_compute(p)
+                    kwargs: dict[str, Any], cast: bool):
+        cp = cast_p(p) if cast else p
         cargs, ckwargs = pol.cast_to_compute((args, kwargs))
         with _autocast_ctx(p, pol.compute_dtype, autocast):
             out = loss_fn(cp, *lead, *cargs, **ckwargs)
@@ -269,6 +282,27 @@ def _to_f32(g: Any) -> Any:
     return g.float() if isinstance(g, torch.Tensor) and g.is_floating_point() else g
 
 
+def _to_param_dtypes(grads: Any, params: Any) -> Any:
+    """Grads of the compute copy converted to their params' dtypes (the cast's backward)."""
+    def conv(g: Any, p: Any) -> Any:
+        if isinstance(g, torch.Tensor) and isinstance(p, torch.Tensor) and g.dtype != p.dtype:
+            return g.to(p.dtype)
+        return g
+
+    return optree.tree_map(conv, grads, params)
+
+
+def _write_copy(copy: Any, params: Any) -> Any:
+    """Write the new params, converted, into the compute copy's tensors in place."""
+    c_leaves, spec = optree.tree_flatten(copy)
+    p_leaves = spec.flatten_up_to(params)
+    pairs = [(c, p) for c, p in zip(c_leaves, p_leaves, strict=True)
+             if isinstance(c, torch.Tensor) and c is not p]
+    if pairs:
+        torch._foreach_copy_([c for c, _ in pairs], [p for _, p in pairs])
+    return copy
+
+
 def _donate_into(old: Any, new: Any) -> Any:
     """Write ``new``'s tensor leaves into ``old``'s tensors in place; return ``old``'s tree."""
     old_leaves, spec = optree.tree_flatten(old)
@@ -294,6 +328,7 @@ def train_step(
     has_state: bool = False,
     autocast: bool = False,
     param_policies: Mapping[str, Policy] | None = None,
+    compute_copy: bool = True,
 ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
     """Build ``step(state, *batch) -> (new_state, metrics)``: one skip-safe update.
 
@@ -330,6 +365,17 @@ def train_step(
             a skipped step keeps the old model state.
         autocast: also run ``loss_fn`` under ``torch.autocast`` at the compute dtype.
         param_policies: per-parameter policies (from :func:`fmp.module_policies`).
+        compute_copy: where the policy casts params to another compute dtype, keep the cast
+            params in ``TrainState.compute_params``, written by the update (fused with the
+            param write when compiled), so the next forward reads them instead of casting
+            and the grads come back in the compute dtype, converted in the update. Results
+            are bit-identical to casting every step. The copy is used only when the step
+            can tell it is current: written by this step from these param tensors, neither
+            modified in place since; otherwise it is rebuilt from the params (so replacing
+            or editing params is safe, except writes through ``.data``, which version
+            counters do not see: then pass ``state._replace(compute_params=None)``). Steps
+            traced whole by ``torch.compile`` or run inside a torch.func transform cast
+            every step and return ``compute_params=None``. False: always cast.
 
     Returns:
         ``step(state, *batch) -> (new_state, metrics)``; ``metrics`` is a dict of tensors:
@@ -398,25 +444,30 @@ def train_step(
         return loss, (new_ms, a)
 
     scaled_loss = _scaled_loss_fn(wrapped, pol, True, autocast, param_policies)
+    cast_p = _param_caster(pol, param_policies)
 
     def grad_phase(state: TrainState, batch: tuple[Any, ...], loss_impl: Callable[..., Any]
                    ) -> tuple[Any, Any, Any, Any]:
         """-> (summed scaled grads, mean loss, aux, new model state), nothing applied yet."""
         micro = _split_batch(batch, accumulate)
         model_state = state.model_state
+        copy = state.compute_params
         grad_sum: Any = None
         loss_sum: Any = None
         aux = None
         for mb in micro:
             lead = (model_state,) if has_state else ()
             grads, (loss, (new_ms, aux)) = grad_with_aux(
-                lambda p, _l=lead, _b=mb: loss_impl(p, state.loss_scale, _l, _b, {}),
-                state.params)
+                lambda p, _l=lead, _b=mb: loss_impl(p, state.loss_scale, _l, _b, {},
+                                                    copy is None),
+                state.params if copy is None else copy)
             if has_state:
                 model_state = new_ms
             if accumulate == 1:
                 grad_sum, loss_sum = grads, loss
             else:
+                if copy is not None:  # as the cast's backward would have: to param dtypes
+                    grads = _to_param_dtypes(grads, state.params)
                 g32 = optree.tree_map(_to_f32, grads)
                 grad_sum = g32 if grad_sum is None else optree.tree_map(torch.add, grad_sum, g32)
                 loss_sum = loss if loss_sum is None else loss_sum + loss
@@ -426,6 +477,8 @@ def train_step(
     def update_phase(state: TrainState, batch: tuple[Any, ...], grad_sum: Any, loss: Any,
                      aux: Any, model_state: Any) -> tuple[TrainState, dict[str, Any]]:
         """Unscale, check, update (or skip), adjust the scale: the rest of the step."""
+        if state.compute_params is not None and accumulate == 1:
+            grad_sum = _to_param_dtypes(grad_sum, state.params)
         if donate and fused_supported(optimizer.fused, state.params, grad_sum, state.opt_state):
             # One in-place pass unscales and checks the step's own grads (where the amp kernel
             # cannot, a read-only check and the fused kernel divides by the scale); torch's
@@ -467,6 +520,9 @@ def train_step(
             model_state = select_tree(finite, model_state, state.model_state)
             if donate:
                 model_state = _donate_into(state.model_state, model_state)
+        copy = state.compute_params
+        if copy is not None:  # the next step's forward reads this instead of casting
+            copy = _write_copy(copy, params) if donate else cast_p(params)
         loss_scale = state.loss_scale.adjust(finite)
         skipped = ~finite
         prev_skipped = state.skipped_total
@@ -475,7 +531,7 @@ def train_step(
         skipped_total = prev_skipped + skipped.to(torch.int32)
         new_state = TrainState(params=params, opt_state=opt_state, loss_scale=loss_scale,
                                step=state.step + 1, model_state=model_state,
-                               skipped_total=skipped_total)
+                               skipped_total=skipped_total, compute_params=copy)
         metrics = {"loss": loss, "grads_finite": finite, "skipped": skipped,
                    "loss_scale": loss_scale.loss_scale, "skipped_total": skipped_total}
         if has_aux:
@@ -487,7 +543,14 @@ def train_step(
         """The step, with the scaled loss and the update phase given (fmp.compile passes
         compiled ones)."""
         _check_param_dtypes(state.params, pol, param_policies)
-        return update_impl(state, batch, *grad_phase(state, batch, loss_impl))
+        keep = compute_copy and eager_kernels_ok()
+        copy = current_copy(state.params, state.compute_params, cast_p) if keep else None
+        if copy is not state.compute_params:
+            state = state._replace(compute_params=copy)
+        new_state, metrics = update_impl(state, batch, *grad_phase(state, batch, loss_impl))
+        if copy is not None:
+            stamp(new_state.params, new_state.compute_params, cast_p)
+        return new_state, metrics
 
     def step(state: TrainState, *batch: Any) -> tuple[TrainState, dict[str, Any]]:
         return run(state, batch, scaled_loss, update_phase)

@@ -166,3 +166,36 @@ def test_cuda_graph_of_fmp_compiled_donated_step():
             assert_trees_bit_equal(state.params, before)
         torch.testing.assert_close(state.params, ref.params, rtol=1e-3, atol=1e-4)
         torch.testing.assert_close(state.opt_state, ref.opt_state, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("policy", ["fp16-mixed", "bf16-mixed"])
+def test_cuda_compute_copy_gives_the_bits_of_casting(policy, donate):
+    """The params' compute copy (read by the forward, written by the update; the fused
+    kernels when donated) trains bit for bit as casting every step, skips included."""
+    net = mlp(seed=0).cuda()
+    apply_fn, params, _ = fmp.functional(net)
+
+    def loss_fn(p, x, y, f):
+        return F.cross_entropy(ScaleGrad.apply(apply_fn(p, x), f).float(), y)
+
+    x, y = (t.cuda() for t in blobs(64))
+    runs = []
+    for copy in (True, False):
+        opt = fmp.optim.adamw(1e-2)
+        step = fmp.train_step(loss_fn, opt, policy, donate=donate, compute_copy=copy)
+        s = fmp.TrainState.create(clone_tree(params), opt,
+                                  fmp.DynamicLossScale.create(initial=2.0**12, period=3))
+        ms = []
+        for i in range(6):
+            s, m = step(s, x, y, torch.full((), float("inf") if i == 2 else 1.0,
+                                            device="cuda"))
+            ms.append((float(m["loss"]), bool(m["skipped"])))
+        runs.append((s, ms))
+    (s_c, m_c), (s_r, m_r) = runs
+    assert m_c == m_r and m_c[2][1]
+    assert s_c.compute_params is not None and s_r.compute_params is None
+    assert_trees_bit_equal(s_c.params, s_r.params)
+    assert_trees_bit_equal(s_c.opt_state, s_r.opt_state)
+    assert_trees_bit_equal(s_c.compute_params,
+                           fmp.get_policy(policy).cast_to_compute(s_c.params))
