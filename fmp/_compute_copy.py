@@ -18,9 +18,10 @@ copy from the params. Writes through ``.data`` bypass version counters: after th
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import optree
 import torch
@@ -28,58 +29,83 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["current_copy", "stamp"]
 
-
-class _Stamp(NamedTuple):
-    cast: weakref.ref
-    params: tuple[weakref.ref, ...]
-    copies: tuple[weakref.ref, ...]
-    versions: tuple[int, ...]
+_version = operator.attrgetter("_version")
 
 
-#: first cast leaf of a copy -> what it was written from (dropped with the copy)
+class _Stamp:
+    """What a copy was written from: the tensors' ids and versions, and whether they live.
+
+    An id names one object only while that object is alive, so the record holds weak
+    references whose callbacks mark it dead as soon as any of its tensors is freed; with
+    that, a check is two tuple comparisons.
+    """
+
+    __slots__ = ("alive", "cast", "ids", "refs", "versions")
+
+    def __init__(self, cast: Callable[[Any], Any], tensors: list[torch.Tensor],
+                 ids: tuple[int, ...], versions: tuple[int, ...]) -> None:
+        self.alive = True
+        self.cast = weakref.ref(cast)
+        self.ids = ids
+        self.versions = versions
+        self.refs = [weakref.ref(t, self._dead) for t in tensors]
+
+    def _dead(self, _ref: weakref.ref) -> None:
+        self.alive = False
+
+
+#: first cast leaf of a copy -> its stamp (an entry goes with its copy)
 _STAMPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _pairs(params: Any, copy: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """The (param, copy) tensor pairs that differ (the cast ones); None if the trees differ."""
+def _leaf_pairs(params: Any, copy: Any) -> list[tuple[Any, Any]] | None:
+    """(copy leaf, param leaf) pairs; None if the trees differ. A flat dict of tensors (what
+    :func:`fmp.functional` gives) is read directly: optree would sort its keys every step."""
+    if type(params) is dict and type(copy) is dict:
+        if params.keys() != copy.keys():
+            return None
+        pairs = [(copy[k], v) for k, v in params.items()]
+        if all(type(c) is torch.Tensor and type(p) is torch.Tensor for c, p in pairs):
+            return pairs
     p_leaves, spec = optree.tree_flatten(params)
     c_leaves, c_spec = optree.tree_flatten(copy)
     if c_spec != spec:
         return None
-    ps, cs = [], []
-    for p, c in zip(p_leaves, c_leaves, strict=True):
-        if c is not p:
-            if not (isinstance(p, torch.Tensor) and isinstance(c, torch.Tensor)):
-                return None
-            ps.append(p)
-            cs.append(c)
-    return ps, cs
+    return list(zip(c_leaves, p_leaves, strict=True))
 
 
-def _versions(ps: list[torch.Tensor], cs: list[torch.Tensor]) -> tuple[int, ...]:
-    return tuple(t._version for t in ps) + tuple(t._version for t in cs)
+def _cast_tensors(params: Any, copy: Any) -> list[torch.Tensor] | None:
+    """The copy's cast leaves then their params (leaves that differ); None if trees differ."""
+    pairs = _leaf_pairs(params, copy)
+    if pairs is None:
+        return None
+    pairs = [(c, p) for c, p in pairs if c is not p]
+    if not pairs or not all(isinstance(c, torch.Tensor) and isinstance(p, torch.Tensor)
+                            for c, p in pairs):
+        return None
+    return [c for c, _ in pairs] + [p for _, p in pairs]
 
 
 def stamp(params: Any, copy: Any, cast: Callable[[Any], Any]) -> None:
     """Record that ``copy`` was just written as ``cast(params)`` (by a step's update)."""
-    pairs = _pairs(params, copy)
-    if not pairs or not pairs[1]:
+    ts = _cast_tensors(params, copy)
+    if ts is None:
         return
-    ps, cs = pairs
-    _STAMPS[cs[0]] = _Stamp(weakref.ref(cast), tuple(weakref.ref(p) for p in ps),
-                            tuple(weakref.ref(c) for c in cs), _versions(ps, cs))
+    ids, versions = tuple(map(id, ts)), tuple(map(_version, ts))
+    rec = _STAMPS.get(ts[0])
+    if rec is not None and rec.alive and rec.ids == ids and rec.cast() is cast:
+        rec.versions = versions  # the same tensors (a donated step): new versions only
+    else:
+        _STAMPS[ts[0]] = _Stamp(cast, ts, ids, versions)
 
 
 def _is_current(params: Any, copy: Any, cast: Callable[[Any], Any]) -> bool:
-    pairs = _pairs(params, copy)
-    if not pairs or not pairs[1]:
+    ts = _cast_tensors(params, copy)
+    if ts is None:
         return False
-    ps, cs = pairs
-    rec = _STAMPS.get(cs[0])
-    return (rec is not None and rec.cast() is cast and len(rec.params) == len(ps)
-            and all(r() is p for r, p in zip(rec.params, ps, strict=True))
-            and all(r() is c for r, c in zip(rec.copies, cs, strict=True))
-            and rec.versions == _versions(ps, cs))
+    rec = _STAMPS.get(ts[0])
+    return (rec is not None and rec.alive and rec.cast() is cast
+            and rec.ids == tuple(map(id, ts)) and rec.versions == tuple(map(_version, ts)))
 
 
 def current_copy(params: Any, copy: Any, cast: Callable[[Any], Any]) -> Any:

@@ -216,6 +216,14 @@ def _scaled_loss_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, aut
 def _check_param_dtypes(params: Any, pol: Policy,
                         param_policies: Mapping[str, Policy] | None) -> None:
     """A param stored in another dtype than its policy says is a bug: say so, name it."""
+    if param_policies is None:  # the common case, every step: names only for the error
+        want = pol.param_dtype
+        leaves = (params.values() if type(params) is dict
+                  and all(type(v) is torch.Tensor for v in params.values())
+                  else optree.tree_leaves(params))
+        if all(v.dtype == want for v in leaves
+               if isinstance(v, torch.Tensor) and v.is_floating_point()):
+            return
     if param_policies is not None and isinstance(params, Mapping):
         items = [(k, v, param_policies[k].param_dtype) for k, v in params.items()
                  if k in param_policies]

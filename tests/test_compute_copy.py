@@ -217,3 +217,42 @@ def test_fmp_compile_two_graphs_use_the_copy_and_match_casting():
     assert_trees_bit_equal(s_c.compute_params, pol.cast_to_compute(s_c.params))
     assert optree.tree_structure(s_c) == optree.tree_structure(
         s_r._replace(compute_params=s_c.compute_params))
+
+
+@pytest.mark.parametrize("tree", ["flat", "nested"])
+def test_a_wrong_dtype_param_is_named_in_flat_and_nested_trees(tree):
+    p = {"a": torch.ones(3), "b": torch.ones(3, dtype=torch.float16)}
+    params = p if tree == "flat" else {"outer": p}
+    opt = fmp.optim.sgd(0.1)
+    step = fmp.train_step(lambda q, x: (q["a"] if tree == "flat" else q["outer"]["a"]).sum()
+                          * x, opt, "fp16-mixed")
+    state = fmp.TrainState.create(params, opt)
+    name = "b" if tree == "flat" else "outer.b"
+    with pytest.raises(ValueError, match=rf"param '{name}' is torch.float16 but the policy "
+                                         r"keeps params in torch.float32"):
+        step(state, torch.ones(()))
+
+
+def test_nested_params_keep_a_copy_and_match_casting():
+    """A params tree that is not a flat dict (optree's path) keeps and checks its copy too."""
+    def loss_fn(p, x):
+        return ((p["l1"]["w"] @ x).float().tanh().sum() + p["b"].float().sum()) ** 2
+
+    params = {"l1": {"w": torch.randn(4, 4)}, "b": torch.randn(4)}
+    x = torch.randn(4, 2)
+    steps, states = {}, {}
+    for copy in (True, False):
+        opt = fmp.optim.adamw(1e-2)
+        steps[copy] = fmp.train_step(loss_fn, opt, "bf16-mixed", compute_copy=copy)
+        s = fmp.TrainState.create(clone_tree(params), opt)
+        for _ in range(3):
+            s, _ = steps[copy](s, x)
+        states[copy] = s
+    assert states[True].compute_params["l1"]["w"].dtype == torch.bfloat16
+    assert_trees_bit_equal(states[True].params, states[False].params)
+    with torch.no_grad():  # an in-place edit, seen through the nested tree's versions
+        states[True].params["l1"]["w"].mul_(2.0)
+        states[False].params["l1"]["w"].mul_(2.0)
+    a, _ = steps[True](states[True], x)
+    b, _ = steps[False](states[False], x)
+    assert_trees_bit_equal(a.params, b.params)
