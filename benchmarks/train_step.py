@@ -187,28 +187,14 @@ def build_fmp(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
         kw = {"mode": "reduce-overhead"} if "_ro" in mode else {}
         step_fn = fmp.compile(step_fn, whole_graph="whole" in mode, **kw)
     if "graph" in mode:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                holder["state"], _ = step_fn(holder["state"], x, y)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out_state, metrics = step_fn(holder["state"], x, y)
-        # donate=True writes params/moments in place; the small counters are new tensors:
-        import optree
-
-        pairs = [(d, s_) for d, s_ in zip(optree.tree_leaves(holder["state"]),
-                                          optree.tree_leaves(out_state), strict=True)
-                 if d is not s_]
-        dst = [d for d, _ in pairs]
-        src = [s_ for _, s_ in pairs]
+        # fmp.cuda_graph: warm-up on a side stream (training the state, as torch's recipe
+        # does: no copy of the state), one capture, then a replay per step
+        graphed = fmp.cuda_graph(step_fn, holder["state"], x, y, warmup=3,
+                                 warmup_trains=True)
 
         def step() -> torch.Tensor:
-            g.replay()
-            torch._foreach_copy_(dst, src)
-            return metrics["loss"]
+            holder["state"], m = graphed(holder["state"], x, y)
+            return m["loss"]
 
         return step
 

@@ -6,6 +6,7 @@ records, functional optimizers (``fmp.optim``) and a skip-safe train step with n
 
 from fmp import distributed, optim
 from fmp._compile import compile, inductor_workarounds
+from fmp.cuda_graph import GraphedStep, cuda_graph
 from fmp.dtypes import dtype
 from fmp.functional import functional
 from fmp.loss_scale import (
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PRESETS",
     "DynamicLossScale",
+    "GraphedStep",
     "LossScale",
     "NoOpLossScale",
     "Policy",
@@ -33,6 +35,7 @@ __all__ = [
     "cast_params",
     "cast_tree",
     "compile",
+    "cuda_graph",
     "distributed",
     "dtype",
     "functional",

@@ -101,6 +101,7 @@ class _Phases(NamedTuple):
     scaled_loss: Callable[..., Any]  # (params, loss_scale, lead, args, kwargs, cast) -> ...
     update_phase: Callable[..., Any]  # (state, batch, grads, loss, aux, ms) -> (state, m)
     run: Callable[..., Any]  # (state, batch, scaled_loss, update_phase) -> (state, m)
+    prepare: Callable[..., Any]  # state -> state with a current compute copy (or None)
 
 
 def _autocast_ctx(params: Any, compute_dtype: torch.dtype, enabled: bool):
@@ -551,17 +552,25 @@ def train_step(
         """The step, with the scaled loss and the update phase given (fmp.compile passes
         compiled ones)."""
         _check_param_dtypes(state.params, pol, param_policies)
-        keep = compute_copy and eager_kernels_ok()
-        copy = current_copy(state.params, state.compute_params, cast_p) if keep else None
-        if copy is not state.compute_params:
-            state = state._replace(compute_params=copy)
+        state = prepare(state)
         new_state, metrics = update_impl(state, batch, *grad_phase(state, batch, loss_impl))
-        if copy is not None:
+        if state.compute_params is not None:
             stamp(new_state.params, new_state.compute_params, cast_p)
         return new_state, metrics
+
+    def prepare(state: TrainState) -> TrainState:
+        """``state`` with the compute copy this step will read: its own if current, else
+        rebuilt from the params (and stamped); None where no copy is kept."""
+        keep = compute_copy and eager_kernels_ok()
+        copy = current_copy(state.params, state.compute_params, cast_p) if keep else None
+        if copy is state.compute_params:
+            return state
+        if copy is not None:
+            stamp(state.params, copy, cast_p)
+        return state._replace(compute_params=copy)
 
     def step(state: TrainState, *batch: Any) -> tuple[TrainState, dict[str, Any]]:
         return run(state, batch, scaled_loss, update_phase)
 
-    step._fmp_phases = _Phases(scaled_loss, update_phase, run)  # type: ignore[attr-defined]
+    step._fmp_phases = _Phases(scaled_loss, update_phase, run, prepare)  # type: ignore[attr-defined]
     return step
