@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import ScaleGrad, assert_trees_bit_equal, blobs, clone_tree, mlp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import fmp
 
@@ -256,3 +258,38 @@ def test_nested_params_keep_a_copy_and_match_casting():
     a, _ = steps[True](states[True], x)
     b, _ = steps[False](states[False], x)
     assert_trees_bit_equal(a.params, b.params)
+
+
+OPS = ["step", "skip", "edit param", "edit copy", "replace params", "clone", "drop copy"]
+
+
+@given(st.lists(st.sampled_from(OPS), min_size=1, max_size=10), st.booleans())
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_property_any_sequence_of_steps_and_edits_trains_as_casting(ops, donate):
+    """Whatever a user does to the state between steps, the copy step trains exactly as
+    the step that casts every time."""
+    step_c, s_c, (x, y) = _setup(fmp.optim.sgd(0.1, momentum=0.9), donate=donate)
+    step_r, s_r, _ = _setup(fmp.optim.sgd(0.1, momentum=0.9), donate=donate,
+                            compute_copy=False)
+    for op in [*ops, "step"]:
+        if op in ("step", "skip"):
+            f = torch.tensor(float("inf") if op == "skip" else 1.0)
+            s_c, m_c = step_c(s_c, x, y, f)
+            s_r, m_r = step_r(s_r, x, y, f)
+            assert bool(m_c["skipped"]) == bool(m_r["skipped"]) == (op == "skip")
+            assert_trees_bit_equal(s_c.params, s_r.params)
+            assert_trees_bit_equal(s_c.opt_state, s_r.opt_state)
+        elif op == "edit param":
+            with torch.no_grad():
+                s_c.params["2.bias"].add_(0.25)
+                s_r.params["2.bias"].add_(0.25)
+        elif op == "edit copy" and s_c.compute_params is not None:
+            with torch.no_grad():
+                s_c.compute_params["0.weight"].mul_(-1.0)
+        elif op == "replace params":
+            s_c = s_c._replace(params={k: v * 0.5 for k, v in s_c.params.items()})
+            s_r = s_r._replace(params={k: v * 0.5 for k, v in s_r.params.items()})
+        elif op == "clone":
+            s_c, s_r = clone_tree(s_c), clone_tree(s_r)
+        elif op == "drop copy":
+            s_c = s_c._replace(compute_params=None)
