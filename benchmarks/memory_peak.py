@@ -1,10 +1,10 @@
 """What is live at a variant's memory peak, and where it was allocated.
 
-Used by ``train_step.py --mem-detail`` (CUDA only). It records the caching allocator's
-history while a variant is built and run, replays the alloc/free events, and at the moment
-the variant's own allocations peak it groups the live blocks by where they were allocated
-(the innermost Python frame outside torch, which for compiled code is the generated code's
-line, shown as its source text).
+Used by ``diagnose.py`` (CUDA only). It records the caching allocator's history while a
+variant is built and run, replays the alloc/free events, and at the moment the variant's own
+allocations peak it groups the live blocks by where they were allocated (the innermost
+Python frame outside torch, which for compiled code is the generated code's line, shown as
+its source text).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any
 import optree
 import torch
 
-from fmp.step import TrainState, _write_copy
+from fmp.step import TrainState, _donate_into
 
 __all__ = ["GraphedStep", "cuda_graph"]
 
@@ -90,7 +90,7 @@ class GraphedStep:
             state = state._replace(compute_params=mine.compute_params)
         _copy_into("state", mine, state)
         if isinstance(mine, TrainState) and mine.compute_params is not None:
-            _write_copy(mine.compute_params, mine.params)  # converts to the copy's dtypes
+            _donate_into(mine.compute_params, mine.params)  # converts to the copy's dtypes
 
     def __call__(self, state: Any, *batch: Any) -> tuple[Any, dict[str, Any]]:
         """Run the captured step on ``batch``; returns ``(self.state, metrics)``.

@@ -301,19 +301,11 @@ def _to_param_dtypes(grads: Any, params: Any) -> Any:
     return optree.tree_map(conv, grads, params)
 
 
-def _write_copy(copy: Any, params: Any) -> Any:
-    """Write the new params, converted, into the compute copy's tensors in place."""
-    c_leaves, spec = optree.tree_flatten(copy)
-    p_leaves = spec.flatten_up_to(params)
-    pairs = [(c, p) for c, p in zip(c_leaves, p_leaves, strict=True)
-             if isinstance(c, torch.Tensor) and c is not p]
-    if pairs:
-        torch._foreach_copy_([c for c, _ in pairs], [p for _, p in pairs])
-    return copy
-
-
 def _donate_into(old: Any, new: Any) -> Any:
-    """Write ``new``'s tensor leaves into ``old``'s tensors in place; return ``old``'s tree."""
+    """Write ``new``'s tensor leaves into ``old``'s tensors in place; return ``old``'s tree.
+
+    ``_foreach_copy_`` converts dtypes: donating params into their compute copy casts them.
+    """
     old_leaves, spec = optree.tree_flatten(old)
     new_leaves = spec.flatten_up_to(new)
     dst = [o for o, n in zip(old_leaves, new_leaves, strict=True)
@@ -454,6 +446,10 @@ def train_step(
 
     scaled_loss = _scaled_loss_fn(wrapped, pol, True, autocast, param_policies)
     cast_p = _param_caster(pol, param_policies)
+    # params are checked to be in their param dtypes, so whether the cast changes any of
+    # them is known now: where it changes none there is no copy to keep or check
+    pols = [pol] if param_policies is None else list(param_policies.values())
+    keep_copy = compute_copy and any(q.compute_dtype != q.param_dtype for q in pols)
 
     def grad_phase(state: TrainState, batch: tuple[Any, ...], loss_impl: Callable[..., Any]
                    ) -> tuple[Any, Any, Any, Any]:
@@ -531,7 +527,7 @@ def train_step(
                 model_state = _donate_into(state.model_state, model_state)
         copy = state.compute_params
         if copy is not None:  # the next step's forward reads this instead of casting
-            copy = _write_copy(copy, params) if donate else cast_p(params)
+            copy = _donate_into(copy, params) if donate else cast_p(params)
         loss_scale = state.loss_scale.adjust(finite)
         skipped = ~finite
         prev_skipped = state.skipped_total
@@ -561,7 +557,7 @@ def train_step(
     def prepare(state: TrainState) -> TrainState:
         """``state`` with the compute copy this step will read: its own if current, else
         rebuilt from the params (and stamped); None where no copy is kept."""
-        keep = compute_copy and eager_kernels_ok()
+        keep = keep_copy and eager_kernels_ok()
         copy = current_copy(state.params, state.compute_params, cast_p) if keep else None
         if copy is state.compute_params:
             return state
