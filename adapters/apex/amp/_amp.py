@@ -732,6 +732,10 @@ class Amp:
     def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         """The params the optimizer steps: the float32 masters under O2/O5, else the model's.
 
+        Under O2/O5 the masters first take the value of model params written since they
+        last agreed (``model.load_state_dict`` after initialize, DDP's broadcast), as
+        Apex's masters, made lazily, did.
+
         Args:
             optimizer: an optimizer (returned by initialize).
 
@@ -743,6 +747,9 @@ class Amp:
             >>> len(list(Amp.master_params(opt)))
             1
         """
+        rec = getattr(optimizer, "_amp_stash", None)
+        if isinstance(rec, OptimizerRecord) and rec.masters is not None:
+            rec.masters.sync_from_model()
         for group in optimizer.param_groups:
             yield from group["params"]
 
