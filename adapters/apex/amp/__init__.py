@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 from adapters.apex.amp._amp import Amp
+from adapters.apex.amp._amp_state import _amp_state as _amp_state  # Apex's read-only global state
 from adapters.apex.amp._errors import AmpError
 from adapters.apex.amp._opt_levels import OPT_LEVELS, Properties
 
