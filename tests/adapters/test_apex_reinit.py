@@ -194,3 +194,13 @@ def test_earlier_models_and_optimizers_are_freed():
     amp.initialize(m2, o2, opt_level="O2", verbosity=0)
     gc.collect()
     assert ref() is None  # the Amp holds only its latest call
+
+
+def test_model_of_another_amp_gives_this_amp_a_state():
+    a, b = Amp(), Amp()
+    m, _ = make(0)
+    a.initialize(m, opt_level="O2", verbosity=0)
+    b.load_state_dict({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 1}})
+    fwd = m.forward
+    assert b.initialize(m, opt_level="O2", verbosity=0) is m and m.forward is fwd
+    assert b.initialized and b.loss_scale() == 512.0  # the pending checkpoint was applied

@@ -162,14 +162,25 @@ class Amp:
             max_loss_scale: cap of the dynamic scale; it starts at
                 ``min(max_loss_scale, 2**16)``.
 
+        Each call keeps its own state (settings, loss scalers) with its optimizers, as
+        Apex's per-optimizer stash did: optimizers of an earlier call keep working with
+        ``scale_loss`` and their own scalers; ``state_dict``, ``loss_scale`` and
+        ``autocast`` follow the latest call. A model or optimizer passed again with the
+        same settings is returned unchanged (a warning is logged). Everything is checked
+        first (a checkpoint given to ``load_state_dict`` before, too): a call that raises
+        leaves every model and optimizer as it was.
+
         Returns:
             The models (and optimizers, when given) in the shape they came in:
             ``model`` or ``(model, optimizer)``, lists for lists.
 
         Raises:
             AmpError: an unknown opt_level (the valid ones are listed), a combination
-                Apex rejected, a model already wrapped in DDP/DataParallel, an optimizer
-                already passed through initialize, bad ``num_losses``/scale bounds.
+                Apex rejected, a model already wrapped in DDP/DataParallel, the same model
+                or optimizer twice in one call, a model or optimizer initialized before
+                with other settings (or an optimizer initialized by another Amp), bad
+                ``num_losses``/``verbosity``/scale bounds, a pending checkpoint that does
+                not fit (see :meth:`load_state_dict`).
 
         Example:
             >>> amp = Amp()
@@ -228,7 +239,7 @@ class Amp:
         if again:
             LOGGER.warning("amp.initialize: %s passed through initialize before with the "
                            "same settings; returned unchanged", ", ".join(again))
-            if not new_models and not new_opts:
+            if not new_models and not new_opts and (opt_list or self._session is not None):
                 sessions = {id(s): s for s in (self._session_of(o) for o in opt_list)
                             if s is not None}
                 if len(sessions) == 1:
@@ -473,8 +484,9 @@ class Amp:
             ``loss.float() * loss_scale`` (``loss.float()`` when there is no scaling).
 
         Raises:
-            AmpError: before initialize, ``loss_id`` out of range, or an optimizer that
-                this Amp did not initialize.
+            AmpError: before initialize, no optimizer (``[]``), ``loss_id`` out of range,
+                an optimizer that this Amp did not initialize, or optimizers of different
+                ``initialize`` calls (they keep separate loss scalers).
 
         Example:
             >>> amp = Amp()

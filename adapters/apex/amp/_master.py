@@ -129,10 +129,10 @@ class MasterWeights:
         if not pairs:
             return 0
         with torch.no_grad():
-            differ = torch.stack([torch.ne(p, m.to(p.dtype)).any().to(p.device)
-                                  if p.shape == m.shape else torch.ones((), dtype=torch.bool,
-                                                                        device=p.device)
-                                  for m, p in pairs]).tolist()
+            differ = torch.stack([
+                torch.ne(p, m.to(device=p.device, dtype=p.dtype)).any()
+                if p.shape == m.shape else torch.ones((), dtype=torch.bool, device=p.device)
+                for m, p in pairs]).tolist()
             n = 0
             for (m, p), d in zip(pairs, differ, strict=True):
                 if d:
