@@ -19,13 +19,15 @@ __all__ = ["MASTER_KEY", "MasterWeights", "is_low_precision"]
 MASTER_KEY = "fmp_master"
 
 
-def _stamp(p: torch.Tensor) -> tuple[int, int] | None:
-    """What changes when ``p`` is written: its version counter and its data's address.
+#: Whether tensors carry the (private) version counter; without it every sync compares.
+_HAS_VERSION = isinstance(getattr(torch.empty(0), "_version", None), int)
 
-    None where a torch lacks the (private) version counter: then every sync compares.
-    """
-    version = getattr(p, "_version", None)
-    return (version, p.data_ptr()) if isinstance(version, int) else None
+
+def _stamps(params: Iterable[torch.Tensor]) -> list[tuple[int, int]] | None:
+    """What changes when a param is written: its version counter and its data's address."""
+    if not _HAS_VERSION:
+        return None
+    return [(p._version, p.data_ptr()) for p in params]
 
 
 def is_low_precision(p: torch.Tensor) -> bool:
@@ -52,9 +54,10 @@ class MasterWeights:
         self.optimizer = optimizer
         self._incoming: dict[int, torch.Tensor] = {}
         self.model_of: dict[torch.Tensor, torch.Tensor] = {}  # master -> model param
-        # master -> (version, data_ptr) of its model param when they last agreed; a master
-        # missing here is compared by value at the next sync (see sync_from_model)
-        self._seen: dict[torch.Tensor, tuple[int, int] | None] = {}
+        # (version, data_ptr) of each model param (in model_of's order) when it last
+        # agreed with its master; masters beyond its length are compared by value at the
+        # next sync (see sync_from_model)
+        self._seen: list[tuple[int, int]] = []
         for group in optimizer.param_groups:
             self.adopt_group(group)
         optimizer.register_state_dict_post_hook(self._state_dict_hook)
@@ -105,8 +108,7 @@ class MasterWeights:
         if self.model_of:
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.masters)
-            for m, p in self.model_of.items():
-                self._seen[m] = _stamp(p)
+            self._seen = _stamps(self.model_of.values()) or []
 
     def sync_from_model(self) -> int:
         """Make the masters follow model params that were written since they last agreed.
@@ -124,8 +126,12 @@ class MasterWeights:
         Returns:
             How many masters took the model's value.
         """
-        pairs = [(m, p) for m, p in self.model_of.items()
-                 if self._seen.get(m) is None or self._seen[m] != _stamp(p)]
+        now = _stamps(self.model_of.values())
+        seen = self._seen
+        if now is not None and now == seen:
+            return 0
+        pairs = [(m, p) for i, (m, p) in enumerate(self.model_of.items())
+                 if now is None or i >= len(seen) or seen[i] != now[i]]
         if not pairs:
             return 0
         with torch.no_grad():
@@ -138,7 +144,7 @@ class MasterWeights:
                 if d:
                     m.copy_(p.detach().to(torch.float32))
                     n += 1
-                self._seen[m] = _stamp(p)
+        self._seen = now or []
         return n
 
     def drop_master_grads(self) -> None:
