@@ -1,0 +1,20 @@
+"""Every Example in the docstrings of the Apex extras (parallel, optimizers, fp16_utils,
+amp_C, multi_tensor_apply) runs and prints what it says."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+import torch
+
+MODULES = ["adapters.apex.amp_C", "adapters.apex.multi_tensor_apply"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    mod = importlib.import_module(name)
+    result = doctest.testmod(mod, extraglobs={**vars(mod), "torch": torch}, report=True)
+    assert result.failed == 0
+    assert result.attempted > 0
