@@ -9,7 +9,10 @@ import importlib
 import pytest
 import torch
 
-MODULES = ["adapters.apex.amp_C", "adapters.apex.multi_tensor_apply"]
+MODULES = ["adapters.apex.amp_C", "adapters.apex.multi_tensor_apply", "adapters.apex._warn",
+           "adapters.apex.optimizers", "adapters.apex.optimizers._common",
+           "adapters.apex.optimizers._fused_adam", "adapters.apex.optimizers._fused_sgd",
+           "adapters.apex.optimizers._fused_lamb", "adapters.apex.optimizers._fused_novograd"]
 
 
 @pytest.mark.parametrize("name", MODULES)
