@@ -14,7 +14,9 @@ MODULES = ["adapters.apex.amp_C", "adapters.apex.multi_tensor_apply", "adapters.
            "adapters.apex.optimizers._fused_adam", "adapters.apex.optimizers._fused_sgd",
            "adapters.apex.optimizers._fused_lamb", "adapters.apex.optimizers._fused_novograd",
            "adapters.apex.fp16_utils", "adapters.apex.fp16_utils._fp16util",
-           "adapters.apex.fp16_utils._loss_scaler", "adapters.apex.fp16_utils._fp16_optimizer"]
+           "adapters.apex.fp16_utils._loss_scaler", "adapters.apex.fp16_utils._fp16_optimizer",
+           "adapters.apex.parallel", "adapters.apex.parallel.distributed",
+           "adapters.apex.parallel.LARC", "adapters.apex.parallel.sync_batchnorm"]
 
 
 @pytest.mark.parametrize("name", MODULES)
