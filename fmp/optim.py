@@ -58,13 +58,16 @@ __all__ = [
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "schedule_ok",
     "sgd",
     "trace",
 ]
 
 #: A learning-rate schedule: called with the step count (a 0-d int32 tensor: the number of
 #: updates applied before this one) it returns the rate as a 0-d tensor or a Python float.
-#: It must not synchronise the host (no ``.item()``) if the update is to be compiled.
+#: It must not synchronise the host (no ``.item()``) if the update is to be compiled. A
+#: rate that comes out inf, NaN or negative is never applied: the update uses 0 and
+#: :func:`fmp.train_step` skips the step (:func:`schedule_ok`).
 Schedule = Callable[[torch.Tensor], "torch.Tensor | float"]
 
 _INT32_MAX = 2**31 - 1
@@ -96,6 +99,10 @@ class GradientTransformation(NamedTuple):
     #: run torch's fused in-place kernel (unscale, update and skip in one pass) where it
     #: computes the same formulas. None for other transformations.
     fused: Any = None
+    #: ``schedule_ok(state) -> 0-d bool tensor``: whether the learning rate the next update
+    #: reads from its schedule is finite and >= 0 (see :func:`schedule_ok`). None for
+    #: transformations without a schedule.
+    schedule_ok: Callable[[Any], torch.Tensor] | None = None
 
 
 class EmptyState(NamedTuple):
@@ -187,8 +194,10 @@ def _is_real(x: object) -> bool:
 def _check_range(
     fn: str, name: str, value: object, *, upper: float | None = None, accepted: str
 ) -> float:
-    """``value`` as a float when it is a real number in [0, upper) (or [0, inf)), else raise."""
-    ok = _is_real(value) and value >= 0.0 and (upper is None or value < upper)  # type: ignore[operator]
+    """``value`` as a float when it is a finite real number in [0, upper) (or [0, inf)),
+    else raise (inf and NaN are never accepted: they would put inf / NaN into the params)."""
+    ok = (_is_real(value) and math.isfinite(value)  # type: ignore[arg-type]
+          and value >= 0.0 and (upper is None or value < upper))  # type: ignore[operator]
     if not ok:
         raise ValueError(f"{fn}: invalid {name} {value!r}; accepted: {accepted}")
     return float(value)  # type: ignore[arg-type]
@@ -199,7 +208,7 @@ def _check_lr(fn: str, lr: object) -> float | Schedule:
         return lr  # type: ignore[return-value]
     return _check_range(
         fn, "learning rate lr", lr,
-        accepted="a float >= 0 or a schedule callable(count) -> 0-d tensor or float",
+        accepted="a finite float >= 0 or a schedule callable(count) -> 0-d tensor or float",
     )
 
 
@@ -210,7 +219,7 @@ def _check_betas(fn: str, betas: object) -> tuple[float, float]:
         )
     return tuple(  # type: ignore[return-value]
         _check_range(fn, f"beta parameter at index {i}", b, upper=1.0,
-                     accepted="a float in [0, 1)")
+                     accepted="a finite float in [0, 1)")
         for i, b in enumerate(betas)
     )
 
@@ -307,14 +316,74 @@ def _no_leaves(spec: Any, state: Any) -> tuple[Any, Any]:
     return optree.tree_unflatten(spec, []), state
 
 
-def _lr_at(lr: float | Schedule, count: torch.Tensor) -> float | torch.Tensor:
-    """The learning rate for the update after ``count`` applied ones."""
-    if not callable(lr):
-        return lr
+def _lr_value(lr: Schedule, count: torch.Tensor) -> float | torch.Tensor:
     value = lr(count)
     if isinstance(value, torch.Tensor):
         return value.to(torch.float32)
     return float(value)
+
+
+def _lr_valid(value: float | torch.Tensor) -> torch.Tensor | bool:
+    """Whether a scheduled rate is finite and >= 0 (a bool tensor for a tensor rate)."""
+    if isinstance(value, torch.Tensor):
+        return value.isfinite() & (value >= 0)
+    return math.isfinite(value) and value >= 0.0
+
+
+def _lr_at(lr: float | Schedule, count: torch.Tensor) -> float | torch.Tensor:
+    """The learning rate for the update after ``count`` applied ones.
+
+    A scheduled rate that is not finite or is negative is replaced by 0 (branch-free, no
+    host sync), so it can never put inf / NaN into the params; :func:`train_step` also
+    skips such a step (see :func:`schedule_ok`).
+    """
+    if not callable(lr):
+        return lr
+    value = _lr_value(lr, count)
+    ok = _lr_valid(value)
+    if isinstance(value, torch.Tensor):
+        return torch.where(ok, value, torch.zeros_like(value))
+    return value if ok else 0.0
+
+
+def _schedule_check(lr: float | Schedule) -> Callable[[Any], torch.Tensor] | None:
+    """``state -> whether the rate read at state.count is valid``, or None for a constant."""
+    if not callable(lr):
+        return None
+
+    def check(state: Any) -> torch.Tensor:
+        ok = _lr_valid(_lr_value(lr, state.count))
+        if isinstance(ok, torch.Tensor):
+            return ok.reshape(())
+        return torch.full((), ok, dtype=torch.bool, device=state.count.device)
+
+    return check
+
+
+def schedule_ok(optimizer: GradientTransformation, opt_state: Any) -> torch.Tensor | None:
+    """Whether the learning rates the next update reads from its schedules are usable.
+
+    A schedule (a callable ``lr``) may return inf, NaN or a negative rate; the optimizer
+    then uses 0 instead, and :func:`fmp.train_step` skips the step (params, optimizer state
+    and model state unchanged, ``metrics["skipped"]`` True while ``grads_finite`` is True,
+    ``metrics["lr_ok"]`` False). Nothing syncs the host.
+
+    Args:
+        optimizer: a :class:`GradientTransformation`.
+        opt_state: its state (``optimizer.init(params)`` or a later one).
+
+    Returns:
+        A 0-d bool tensor (True when every scheduled rate is finite and >= 0), or None
+        when the optimizer has no schedule.
+
+    Example:
+        >>> opt = fmp.optim.sgd(lambda count: 0.1 - 0.05 * count)
+        >>> s = opt.init({"w": torch.ones(1)})
+        >>> bool(fmp.optim.schedule_ok(opt, s)), fmp.optim.schedule_ok(fmp.optim.sgd(0.1), s)
+        (True, None)
+    """
+    check = getattr(optimizer, "schedule_ok", None)
+    return None if check is None else check(opt_state)
 
 
 def _add_scaled_(
@@ -481,7 +550,15 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return grads, tuple(new_states)
 
-    return GradientTransformation(init, update)
+    checks = [(i, t.schedule_ok) for i, t in enumerate(transforms) if t.schedule_ok is not None]
+
+    def check(state: tuple[Any, ...]) -> torch.Tensor:
+        ok = checks[0][1](state[checks[0][0]])
+        for i, c in checks[1:]:
+            ok = ok & c(state[i])
+        return ok
+
+    return GradientTransformation(init, update, None, check if checks else None)
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -502,8 +579,8 @@ def scale(step_size: float) -> GradientTransformation:
         >>> u
         {'w': tensor([-2.])}
     """
-    if not _is_real(step_size):
-        raise ValueError(f"scale: invalid step_size {step_size!r}; accepted: a float")
+    if not _is_real(step_size) or not math.isfinite(step_size):  # type: ignore[arg-type]
+        raise ValueError(f"scale: invalid step_size {step_size!r}; accepted: a finite float")
     factor = float(step_size)
 
     def init(params: Any) -> EmptyState:
@@ -561,7 +638,7 @@ def scale_by_learning_rate(
             factor = lr * sign
         return optree.tree_unflatten(spec, torch._foreach_mul(g, factor)), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, None, _schedule_check(lr))
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
@@ -589,7 +666,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         {'w': tensor([0.5000])}
     """
     wd = _check_range("add_decayed_weights", "weight_decay", weight_decay,
-                      accepted="a float >= 0")
+                      accepted="a finite float >= 0")
 
     def init(params: Any) -> EmptyState:
         return EmptyState()
@@ -663,9 +740,9 @@ def trace(
 def _check_momentum(
     fn: str, momentum: object, dampening: object, nesterov: object, state_dtype: object
 ) -> tuple[float, float, torch.dtype | None]:
-    m = _check_range(fn, "momentum", momentum, accepted="a float >= 0")
-    if not _is_real(dampening) or math.isnan(dampening):  # type: ignore[arg-type]
-        raise ValueError(f"{fn}: invalid dampening {dampening!r}; accepted: a float")
+    m = _check_range(fn, "momentum", momentum, accepted="a finite float >= 0")
+    if not _is_real(dampening) or not math.isfinite(dampening):  # type: ignore[arg-type]
+        raise ValueError(f"{fn}: invalid dampening {dampening!r}; accepted: a finite float")
     d = float(dampening)  # type: ignore[arg-type]
     if not isinstance(nesterov, bool):
         raise ValueError(f"{fn}: invalid nesterov {nesterov!r}; accepted: True or False")
@@ -748,7 +825,7 @@ def sgd(
     """
     lr = _check_lr("sgd", lr)
     m, d, sd = _check_momentum("sgd", momentum, dampening, nesterov, state_dtype)
-    wd = _check_range("sgd", "weight_decay", weight_decay, accepted="a float >= 0")
+    wd = _check_range("sgd", "weight_decay", weight_decay, accepted="a finite float >= 0")
 
     def init(params: Any) -> SgdState:
         leaves, spec = _flatten_params("sgd", params)
@@ -774,7 +851,7 @@ def sgd(
 
     fused = FusedSpec("sgd", momentum=m, dampening=d, nesterov=nesterov, wd=wd,
                       lr_at=lambda c: _lr_at(lr, c))
-    return GradientTransformation(init, update, fused)
+    return GradientTransformation(init, update, fused, _schedule_check(lr))
 
 
 def _adam_init(fn: str, sd: torch.dtype | None, amsgrad: bool) -> Callable[[Any], AdamState]:
@@ -804,8 +881,8 @@ def _adam_like(
 ) -> GradientTransformation:
     lr = _check_lr(fn, lr)
     b1, b2 = _check_betas(fn, betas)
-    eps = _check_range(fn, "epsilon value eps", eps, accepted="a float >= 0")
-    wd = _check_range(fn, "weight_decay", weight_decay, accepted="a float >= 0")
+    eps = _check_range(fn, "epsilon value eps", eps, accepted="a finite float >= 0")
+    wd = _check_range(fn, "weight_decay", weight_decay, accepted="a finite float >= 0")
     if not isinstance(amsgrad, bool):
         raise ValueError(f"{fn}: invalid amsgrad {amsgrad!r}; accepted: True or False")
     sd = _state_dtype(fn, state_dtype)
@@ -836,7 +913,7 @@ def _adam_like(
 
     fused = FusedSpec("adamw" if decoupled else "adam", b1=b1, b2=b2, eps=eps, wd=wd,
                       amsgrad=amsgrad, lr_at=lambda c: _lr_at(lr, c))
-    return GradientTransformation(init, update, fused)
+    return GradientTransformation(init, update, fused, _schedule_check(lr))
 
 
 def adam(
@@ -966,7 +1043,7 @@ def scale_by_adam(
     """
     fn = "scale_by_adam"
     b1, b2 = _check_betas(fn, (b1, b2))
-    eps = _check_range(fn, "epsilon value eps", eps, accepted="a float >= 0")
+    eps = _check_range(fn, "epsilon value eps", eps, accepted="a finite float >= 0")
     if not isinstance(amsgrad, bool):
         raise ValueError(f"{fn}: invalid amsgrad {amsgrad!r}; accepted: True or False")
     sd = _state_dtype(fn, state_dtype)

@@ -19,7 +19,7 @@ from fmp._fused import (
 )
 from fmp._grad import grad_with_aux
 from fmp.loss_scale import NoOpLossScale
-from fmp.optim import GradientTransformation, apply_updates
+from fmp.optim import GradientTransformation, apply_updates, schedule_ok
 from fmp.policy import Policy, cast_params, get_policy
 from fmp.tree import all_finite, floating_leaves, select_tree
 
@@ -382,7 +382,9 @@ def train_step(
         ``step(state, *batch) -> (new_state, metrics)``; ``metrics`` is a dict of tensors:
         ``loss`` (unscaled float32, mean over micro-batches), ``grads_finite`` (bool),
         ``skipped`` (bool), ``loss_scale`` (float32, the scale after this step's
-        adjustment), ``skipped_total`` (int32), and ``aux`` with ``has_aux``.
+        adjustment), ``skipped_total`` (int32), and ``aux`` with ``has_aux``; with a
+        learning-rate schedule also ``lr_ok`` (bool): False when the scheduled rate was inf,
+        NaN or negative, and the step was then skipped (:func:`fmp.optim.schedule_ok`).
 
     Raises:
         ValueError: ``accumulate`` is not a positive int; a batch's leading size is not
@@ -484,6 +486,7 @@ def train_step(
         """Unscale, check, update (or skip), adjust the scale: the rest of the step."""
         if state.compute_params is not None and accumulate == 1:
             grad_sum = _to_param_dtypes(grad_sum, state.params)
+        lr_ok = schedule_ok(optimizer, state.opt_state)  # a scheduled lr of inf/NaN/< 0 skips
         if donate and fused_supported(optimizer.fused, state.params, grad_sum, state.opt_state):
             # One in-place pass unscales and checks the step's own grads (where the amp kernel
             # cannot, a read-only check and the fused kernel divides by the scale); torch's
@@ -496,6 +499,7 @@ def train_step(
             if finite is None:
                 divisor = _grad_divisor(state.loss_scale, accumulate, grads)
                 finite = all_finite(grads) if grads_finite is None else grads_finite(grads)
+            grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             opt_state = fused_step_(optimizer.fused, state.params, grads, state.opt_state,
                                     divisor, (~finite).to(torch.float32))
             params = state.params
@@ -514,6 +518,7 @@ def train_step(
                     finite = grads_finite(grads)
                 else:
                     finite = all_finite(grads)
+            grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
             new_params = apply_updates(state.params, updates)
             params = select_tree(finite, new_params, state.params)
@@ -528,7 +533,7 @@ def train_step(
         copy = state.compute_params
         if copy is not None:  # the next step's forward reads this instead of casting
             copy = _donate_into(copy, params) if donate else cast_p(params)
-        loss_scale = state.loss_scale.adjust(finite)
+        loss_scale = state.loss_scale.adjust(grads_ok)
         skipped = ~finite
         prev_skipped = state.skipped_total
         if prev_skipped is None:
@@ -537,8 +542,10 @@ def train_step(
         new_state = TrainState(params=params, opt_state=opt_state, loss_scale=loss_scale,
                                step=state.step + 1, model_state=model_state,
                                skipped_total=skipped_total, compute_params=copy)
-        metrics = {"loss": loss, "grads_finite": finite, "skipped": skipped,
+        metrics = {"loss": loss, "grads_finite": grads_ok, "skipped": skipped,
                    "loss_scale": loss_scale.loss_scale, "skipped_total": skipped_total}
+        if lr_ok is not None:
+            metrics["lr_ok"] = lr_ok
         if has_aux:
             metrics["aux"] = aux
         return new_state, metrics
