@@ -19,7 +19,8 @@ either is float64). After each update the moments are cast back to their state d
 so dtypes never drift. Updates come back in the compute dtype; :func:`apply_updates`
 adds them in the promoted dtype of param and update and casts the sum to the param's
 dtype. Scalar step quantities (bias corrections, scheduled learning rates) are 0-d
-float32 tensors on the params' device.
+float32 tensors on the params' device (bias corrections in float64 where a leaf computes
+in float64).
 
 Trees. Params, grads, updates and moments are any optree pytree (params dicts, lists,
 NamedTuples); None is an empty subtree (optree's default), so a None entry passes
@@ -394,6 +395,11 @@ def _add_scaled_(
         torch._foreach_add_(out, torch._foreach_mul(xs, coef))
     else:
         torch._foreach_add_(out, xs, alpha=coef)
+
+
+def _step_dtype(dts: list[torch.dtype]) -> torch.dtype:
+    """float64 for the step scalars (bias corrections) where a leaf computes in float64."""
+    return torch.float64 if torch.float64 in dts else torch.float32
 
 
 def _bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor | None:
@@ -900,7 +906,7 @@ def _adam_like(
             g = torch._foreach_add(g, p, alpha=wd)
         lr_now = _lr_at(lr, state.count)
         count = _increment(state.count)
-        step = count.to(torch.float32)
+        step = count.to(_step_dtype(dts))
         mu, nu, nu_max = _adam_moments(g, state, spec, dts, b1, b2, amsgrad)
         updates = _adam_direction(mu, nu if nu_max is None else nu_max, step, b2, eps)
         bc1 = _bias_correction(b1, step)
@@ -1057,7 +1063,7 @@ def scale_by_adam(
         dts = [_compute_dtype(x.dtype, sd) for x in g]
         g = _cast(g, dts)
         count = _increment(state.count)
-        step = count.to(torch.float32)
+        step = count.to(_step_dtype(dts))
         mu, nu, nu_max = _adam_moments(g, state, spec, dts, b1, b2, amsgrad)
         updates = _adam_direction(mu, nu if nu_max is None else nu_max, step, b2, eps)
         bc1 = _bias_correction(b1, step)
