@@ -266,6 +266,43 @@ def _flatten_like(tree: Any, spec: Any, what: str, like: str) -> list[Any]:
     return leaves
 
 
+def _check_shapes(leaves: list[Any], like: list[Any], spec: Any, what: str,
+                  like_name: str) -> None:
+    """Each leaf must have the shape of its counterpart (else torch would broadcast)."""
+    if [getattr(x, "shape", None) for x in leaves] == [getattr(y, "shape", None) for y in like]:
+        return
+    for path, x, y in zip(spec.paths(), leaves, like, strict=True):
+        xs, ys = getattr(x, "shape", None), getattr(y, "shape", None)
+        if xs != ys:
+            xs, ys = (tuple(v) if v is not None else v for v in (xs, ys))
+            raise ValueError(
+                f"{what} leaf {'.'.join(map(str, path))!r} has shape {xs}"
+                f" but its {like_name} has shape {ys}: the "
+                "optimizer state was made for other params (rebuild it with "
+                "optimizer.init(params), or TrainState.create)"
+            )
+
+
+def _state_leaves(tree: Any, spec: Any, what: str, g: list[torch.Tensor]) -> list[Any]:
+    """The leaves of a moment tree: the structure of the grads, and each grad's shape."""
+    leaves = _flatten_like(tree, spec, what, "grads")
+    _check_shapes(leaves, g, spec, what, "grad (and param)")
+    return leaves
+
+
+def _expect_state(fn: str, state: Any, cls: type | tuple[type, ...]) -> None:
+    """A clear error for a state made by another optimizer (or no state at all)."""
+    if isinstance(state, cls):
+        return
+    names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+    raise TypeError(
+        f"{fn}.update: the optimizer state is a {type(state).__name__}, but {fn} needs the "
+        f"{names} made by its own init; was the state made by another optimizer? Build it "
+        "with this optimizer: state = optimizer.init(params) (or TrainState.create(params, "
+        "optimizer, ...))"
+    )
+
+
 def _need_params(fn: str, params: Any, spec: Any) -> list[torch.Tensor]:
     if params is None:
         raise ValueError(f"{fn}.update needs params (weight decay uses them); got params=None")
@@ -423,14 +460,18 @@ def _adam_moments(
     amsgrad: bool,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
     """New (mu, nu, nu_max) in compute dtypes, torch's formulas (lerp, mul + addcmul)."""
-    mu = _cast(_flatten_like(state.mu, spec, "state.mu", "grads"), dts)
-    nu = _cast(_flatten_like(state.nu, spec, "state.nu", "grads"), dts)
+    mu = _cast(_state_leaves(state.mu, spec, "state.mu", g), dts)
+    nu = _cast(_state_leaves(state.nu, spec, "state.nu", g), dts)
     mu = torch._foreach_lerp(mu, g, 1.0 - b1)
     nu = torch._foreach_mul(nu, b2)
     torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
     nu_max = None
     if amsgrad:
-        old = _cast(_flatten_like(state.nu_max, spec, "state.nu_max", "grads"), dts)
+        if state.nu_max is None:
+            raise TypeError("the optimizer has amsgrad=True but its state has no nu_max (made "
+                            "by an optimizer with amsgrad=False); rebuild it with "
+                            "optimizer.init(params)")
+        old = _cast(_state_leaves(state.nu_max, spec, "state.nu_max", g), dts)
         nu_max = torch._foreach_maximum(old, nu)
     return mu, nu, nu_max
 
@@ -506,6 +547,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
                 f"apply_updates: leaf {i} must be a tensor in params and updates, got "
                 f"{type(a).__name__} and {type(b).__name__}"
             )
+    _check_shapes(u, p, spec, "updates", "param")
     dts = [torch.promote_types(a.dtype, b.dtype) for a, b in zip(p, u, strict=True)]
     out = torch._foreach_add(_cast(p, dts), _cast(u, dts))
     return optree.tree_unflatten(spec, _cast(out, [a.dtype for a in p]))
@@ -633,6 +675,8 @@ def scale_by_learning_rate(
         return EmptyState()
 
     def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        _expect_state("scale_by_learning_rate", state,
+                      ScaleByScheduleState if callable(lr) else EmptyState)
         g, spec = optree.tree_flatten(grads)
         if not g:
             return _no_leaves(spec, state)
@@ -730,10 +774,11 @@ def trace(
         return TraceState(_count(leaves), optree.tree_unflatten(spec, _zeros(leaves, sd)))
 
     def update(grads: Any, state: TraceState, params: Any = None) -> tuple[Any, TraceState]:
+        _expect_state("trace", state, TraceState)
         g, spec = optree.tree_flatten(grads)
         if not g:
             return _no_leaves(spec, state)
-        buf = _flatten_like(state.trace, spec, "state.trace", "grads")
+        buf = _state_leaves(state.trace, spec, "state.trace", g)
         dts = [_compute_dtype(x.dtype, sd) for x in g]
         out, new_buf = _momentum(_cast(g, dts), _cast(buf, dts), state.count, m, d, nesterov)
         new_buf = _cast(new_buf, [x.dtype for x in buf])
@@ -839,6 +884,7 @@ def sgd(
         return SgdState(_count(leaves), buf)
 
     def update(grads: Any, state: SgdState, params: Any = None) -> tuple[Any, SgdState]:
+        _expect_state("sgd", state, SgdState)
         g, spec = optree.tree_flatten(grads)
         if not g:
             return _no_leaves(spec, state)
@@ -848,7 +894,11 @@ def sgd(
             g = torch._foreach_add(g, _cast(_need_params("sgd", params, spec), dts), alpha=wd)
         new_buf = None
         if m != 0.0:
-            buf = _flatten_like(state.momentum, spec, "state.momentum", "grads")
+            if state.momentum is None:
+                raise TypeError("sgd.update: this sgd has momentum but the state holds no "
+                                "momentum buffers (made by an sgd with momentum=0); rebuild "
+                                "it with optimizer.init(params)")
+            buf = _state_leaves(state.momentum, spec, "state.momentum", g)
             g, nb = _momentum(g, _cast(buf, dts), state.count, m, d, nesterov)
             new_buf = optree.tree_unflatten(spec, _cast(nb, [x.dtype for x in buf]))
         updates = torch._foreach_mul(g, -_lr_at(lr, state.count))
@@ -896,6 +946,7 @@ def _adam_like(
     init = _adam_init(fn, sd, amsgrad)
 
     def update(grads: Any, state: AdamState, params: Any = None) -> tuple[Any, AdamState]:
+        _expect_state(fn, state, AdamState)
         g, spec = optree.tree_flatten(grads)
         if not g:
             return _no_leaves(spec, state)
@@ -1057,6 +1108,7 @@ def scale_by_adam(
     init = _adam_init(fn, sd, amsgrad)
 
     def update(grads: Any, state: AdamState, params: Any = None) -> tuple[Any, AdamState]:
+        _expect_state(fn, state, AdamState)
         g, spec = optree.tree_flatten(grads)
         if not g:
             return _no_leaves(spec, state)

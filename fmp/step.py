@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fmp._checks import check_loss_scale, check_param_policies
 from fmp._compute_copy import current_copy, stamp
 from fmp._fused import (
     check_and_unscale_owned_,
@@ -158,6 +159,8 @@ def value_and_grad(
     Raises:
         ValueError: (when called) ``loss_fn`` returned something other than a 0-d floating
             tensor as its loss; the policy spec is bad (at once).
+        TypeError: ``param_policies`` is not a dict of :class:`fmp.Policy` (at once);
+            (when called) ``loss_scale`` is not a loss-scale record (None, a float).
 
     Example:
         >>> vg = fmp.value_and_grad(lambda p, x: (p["w"] * x).sum(), "bf16-mixed")
@@ -165,10 +168,12 @@ def value_and_grad(
         >>> grads["w"].dtype, bool(finite)
         (torch.float32, True)
     """
+    check_param_policies(param_policies, "value_and_grad")
     scaled_loss = _scaled_loss_fn(loss_fn, get_policy(policy), has_aux, autocast,
                                   param_policies)
 
     def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
+        check_loss_scale(loss_scale, "value_and_grad")
         grads, (loss, aux) = grad_with_aux(
             lambda p: scaled_loss(p, loss_scale, (), args, kwargs, True), params)
         grads = loss_scale.unscale(grads)
@@ -389,7 +394,9 @@ def train_step(
     Raises:
         ValueError: ``accumulate`` is not a positive int; a batch's leading size is not
             divisible by ``accumulate`` (when called).
-        TypeError: ``optimizer`` is not a GradientTransformation.
+        TypeError: ``optimizer`` is not a GradientTransformation; ``param_policies`` is
+            not a dict of :class:`fmp.Policy`; (when called) the optimizer state was made by
+            another optimizer.
         RuntimeError: ``process_group`` is given but torch.distributed is not initialised.
 
     Example:
@@ -407,6 +414,7 @@ def train_step(
                         f"{type(optimizer).__name__}")
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
+    check_param_policies(param_policies, "train_step")
     reduce_grads = grads_finite = None
     if process_group is not None:
         from fmp import distributed as dist_

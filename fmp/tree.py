@@ -142,7 +142,8 @@ def select_tree(pred: torch.Tensor, on_true: T, on_false: T) -> T:
 
     Raises:
         ValueError: ``pred`` is not a 0-d bool tensor, or the trees differ in structure
-            (the message shows both structures) or in a non-tensor leaf.
+            (the message shows both structures), in a leaf's shape (the message names the
+            leaf) or in a non-tensor leaf.
 
     Example:
         >>> fmp.select_tree(torch.tensor(False), {"w": torch.ones(2)}, {"w": torch.zeros(2)})
@@ -168,6 +169,13 @@ def select_tree(pred: torch.Tensor, on_true: T, on_false: T) -> T:
     out = []
     for i, (a, b) in enumerate(zip(leaves_t, leaves_f, strict=True)):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape:  # torch.where would broadcast them into a new shape
+                name = ".".join(map(str, spec_t.paths()[i])) or "<root>"
+                raise ValueError(
+                    f"select_tree: leaf {name!r} has shape {tuple(a.shape)} in on_true and "
+                    f"{tuple(b.shape)} in on_false; each leaf must have one shape in both "
+                    "trees (a state whose params changed shape needs a new optimizer state)"
+                )
             out.append(torch.where(pred, a, b.to(a.dtype) if b.dtype != a.dtype else b))
         elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
             raise ValueError(
