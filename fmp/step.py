@@ -95,6 +95,44 @@ class TrainState(NamedTuple):
             skipped_total=torch.zeros((), dtype=torch.int32, device=device),
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state as a nested dict of tensors and plain values (:mod:`fmp.checkpoint`).
+
+        Returns:
+            A dict for ``torch.save`` or ``torch.distributed.checkpoint``; its tensors are
+            this state's own. ``compute_params`` is left out (the next step rebuilds it).
+
+        Example:
+            >>> s = fmp.TrainState.create({"w": torch.ones(2)}, fmp.optim.sgd(0.1))
+            >>> sorted(s.state_dict()["params"])
+            ['w']
+        """
+        from fmp.checkpoint import state_dict
+
+        return state_dict(self)
+
+    @classmethod
+    def from_state_dict(cls, d: Mapping[str, Any]) -> TrainState:
+        """Rebuild a state from :meth:`state_dict`'s output, exactly (:mod:`fmp.checkpoint`).
+
+        Args:
+            d: the state dict (e.g. ``torch.load(path)``, or one DCP loaded into).
+
+        Returns:
+            The :class:`TrainState` holding ``d``'s tensors.
+
+        Raises:
+            ValueError: ``d`` is not a TrainState state dict.
+
+        Example:
+            >>> s = fmp.TrainState.create({"w": torch.ones(2)}, fmp.optim.adam())
+            >>> int(fmp.TrainState.from_state_dict(s.state_dict()).step)
+            0
+        """
+        from fmp.checkpoint import from_state_dict
+
+        return from_state_dict(d)
+
 
 class _Phases(NamedTuple):
     """A train step's parts, for :func:`fmp.compile` to compile separately."""
