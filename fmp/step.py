@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fmp._checks import check_loss_scale, check_param_policies
 from fmp._compute_copy import current_copy, stamp
 from fmp._fused import (
     check_and_unscale_owned_,
@@ -19,7 +20,7 @@ from fmp._fused import (
 )
 from fmp._grad import grad_with_aux
 from fmp.loss_scale import NoOpLossScale
-from fmp.optim import GradientTransformation, apply_updates
+from fmp.optim import GradientTransformation, apply_updates, schedule_ok
 from fmp.policy import Policy, cast_params, get_policy
 from fmp.tree import all_finite, floating_leaves, select_tree
 
@@ -94,6 +95,44 @@ class TrainState(NamedTuple):
             skipped_total=torch.zeros((), dtype=torch.int32, device=device),
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state as a nested dict of tensors and plain values (:mod:`fmp.checkpoint`).
+
+        Returns:
+            A dict for ``torch.save`` or ``torch.distributed.checkpoint``; its tensors are
+            this state's own. ``compute_params`` is left out (the next step rebuilds it).
+
+        Example:
+            >>> s = fmp.TrainState.create({"w": torch.ones(2)}, fmp.optim.sgd(0.1))
+            >>> sorted(s.state_dict()["params"])
+            ['w']
+        """
+        from fmp.checkpoint import state_dict
+
+        return state_dict(self)
+
+    @classmethod
+    def from_state_dict(cls, d: Mapping[str, Any]) -> TrainState:
+        """Rebuild a state from :meth:`state_dict`'s output, exactly (:mod:`fmp.checkpoint`).
+
+        Args:
+            d: the state dict (e.g. ``torch.load(path)``, or one DCP loaded into).
+
+        Returns:
+            The :class:`TrainState` holding ``d``'s tensors.
+
+        Raises:
+            ValueError: ``d`` is not a TrainState state dict.
+
+        Example:
+            >>> s = fmp.TrainState.create({"w": torch.ones(2)}, fmp.optim.adam())
+            >>> int(fmp.TrainState.from_state_dict(s.state_dict()).step)
+            0
+        """
+        from fmp.checkpoint import from_state_dict
+
+        return from_state_dict(d)
+
 
 class _Phases(NamedTuple):
     """A train step's parts, for :func:`fmp.compile` to compile separately."""
@@ -158,6 +197,8 @@ def value_and_grad(
     Raises:
         ValueError: (when called) ``loss_fn`` returned something other than a 0-d floating
             tensor as its loss; the policy spec is bad (at once).
+        TypeError: ``param_policies`` is not a dict of :class:`fmp.Policy` (at once);
+            (when called) ``loss_scale`` is not a loss-scale record (None, a float).
 
     Example:
         >>> vg = fmp.value_and_grad(lambda p, x: (p["w"] * x).sum(), "bf16-mixed")
@@ -165,10 +206,12 @@ def value_and_grad(
         >>> grads["w"].dtype, bool(finite)
         (torch.float32, True)
     """
+    check_param_policies(param_policies, "value_and_grad")
     scaled_loss = _scaled_loss_fn(loss_fn, get_policy(policy), has_aux, autocast,
                                   param_policies)
 
     def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
+        check_loss_scale(loss_scale, "value_and_grad")
         grads, (loss, aux) = grad_with_aux(
             lambda p: scaled_loss(p, loss_scale, (), args, kwargs, True), params)
         grads = loss_scale.unscale(grads)
@@ -382,12 +425,16 @@ def train_step(
         ``step(state, *batch) -> (new_state, metrics)``; ``metrics`` is a dict of tensors:
         ``loss`` (unscaled float32, mean over micro-batches), ``grads_finite`` (bool),
         ``skipped`` (bool), ``loss_scale`` (float32, the scale after this step's
-        adjustment), ``skipped_total`` (int32), and ``aux`` with ``has_aux``.
+        adjustment), ``skipped_total`` (int32), and ``aux`` with ``has_aux``; with a
+        learning-rate schedule also ``lr_ok`` (bool): False when the scheduled rate was inf,
+        NaN or negative, and the step was then skipped (:func:`fmp.optim.schedule_ok`).
 
     Raises:
         ValueError: ``accumulate`` is not a positive int; a batch's leading size is not
             divisible by ``accumulate`` (when called).
-        TypeError: ``optimizer`` is not a GradientTransformation.
+        TypeError: ``optimizer`` is not a GradientTransformation; ``param_policies`` is
+            not a dict of :class:`fmp.Policy`; (when called) the optimizer state was made by
+            another optimizer.
         RuntimeError: ``process_group`` is given but torch.distributed is not initialised.
 
     Example:
@@ -405,6 +452,7 @@ def train_step(
                         f"{type(optimizer).__name__}")
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
+    check_param_policies(param_policies, "train_step")
     reduce_grads = grads_finite = None
     if process_group is not None:
         from fmp import distributed as dist_
@@ -484,6 +532,7 @@ def train_step(
         """Unscale, check, update (or skip), adjust the scale: the rest of the step."""
         if state.compute_params is not None and accumulate == 1:
             grad_sum = _to_param_dtypes(grad_sum, state.params)
+        lr_ok = schedule_ok(optimizer, state.opt_state)  # a scheduled lr of inf/NaN/< 0 skips
         if donate and fused_supported(optimizer.fused, state.params, grad_sum, state.opt_state):
             # One in-place pass unscales and checks the step's own grads (where the amp kernel
             # cannot, a read-only check and the fused kernel divides by the scale); torch's
@@ -496,6 +545,7 @@ def train_step(
             if finite is None:
                 divisor = _grad_divisor(state.loss_scale, accumulate, grads)
                 finite = all_finite(grads) if grads_finite is None else grads_finite(grads)
+            grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             opt_state = fused_step_(optimizer.fused, state.params, grads, state.opt_state,
                                     divisor, (~finite).to(torch.float32))
             params = state.params
@@ -514,6 +564,7 @@ def train_step(
                     finite = grads_finite(grads)
                 else:
                     finite = all_finite(grads)
+            grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
             new_params = apply_updates(state.params, updates)
             params = select_tree(finite, new_params, state.params)
@@ -528,7 +579,7 @@ def train_step(
         copy = state.compute_params
         if copy is not None:  # the next step's forward reads this instead of casting
             copy = _donate_into(copy, params) if donate else cast_p(params)
-        loss_scale = state.loss_scale.adjust(finite)
+        loss_scale = state.loss_scale.adjust(grads_ok)
         skipped = ~finite
         prev_skipped = state.skipped_total
         if prev_skipped is None:
@@ -537,8 +588,10 @@ def train_step(
         new_state = TrainState(params=params, opt_state=opt_state, loss_scale=loss_scale,
                                step=state.step + 1, model_state=model_state,
                                skipped_total=skipped_total, compute_params=copy)
-        metrics = {"loss": loss, "grads_finite": finite, "skipped": skipped,
+        metrics = {"loss": loss, "grads_finite": grads_ok, "skipped": skipped,
                    "loss_scale": loss_scale.loss_scale, "skipped_total": skipped_total}
+        if lr_ok is not None:
+            metrics["lr_ok"] = lr_ok
         if has_aux:
             metrics["aux"] = aux
         return new_state, metrics
