@@ -256,6 +256,21 @@ def _split_batch(batch: tuple[Any, ...], k: int) -> list[tuple[Any, ...]]:
     return [optree.tree_unflatten(spec, [c[j] for c in chunks]) for j in range(k)]
 
 
+def _stack_aux(auxes: list[Any]) -> Any:
+    """The k micro-batches' aux values as one: tensor leaves stacked along a new dim 0 (in
+    micro-batch order), other leaves as a tuple of the k values."""
+    leaves0, spec = optree.tree_flatten(auxes[0])
+    rows = [spec.flatten_up_to(a) for a in auxes[1:]]
+    out = []
+    for i, x in enumerate(leaves0):
+        column = [x] + [r[i] for r in rows]
+        if isinstance(x, torch.Tensor):
+            out.append(torch.stack(column))
+        else:
+            out.append(tuple(column))
+    return optree.tree_unflatten(spec, out)
+
+
 def _device_of(tree: Any) -> torch.device:
     leaves = floating_leaves(tree)
     return leaves[0].device if leaves else torch.device("cpu")
@@ -362,6 +377,9 @@ def train_step(
             agreed (:func:`fmp.distributed.all_finite`), so every rank skips together. The
             reported loss is the local one. None: single process.
         has_aux: ``loss_fn`` also returns an auxiliary value, returned as ``metrics["aux"]``.
+            With ``accumulate=k > 1`` it holds all k micro-batches' values, in order: each
+            tensor leaf stacked along a new leading dim of size k (``aux["acc"].mean()`` is
+            the batch's), each other leaf a tuple of the k values.
         has_state: ``loss_fn`` takes and returns model state (``TrainState.model_state``);
             a skipped step keeps the old model state.
         autocast: also run ``loss_fn`` under ``torch.autocast`` at the compute dtype.
@@ -460,6 +478,7 @@ def train_step(
         grad_sum: Any = None
         loss_sum: Any = None
         aux = None
+        auxes = []
         for mb in micro:
             lead = (model_state,) if has_state else ()
             grads, (loss, (new_ms, aux)) = grad_with_aux(
@@ -468,6 +487,7 @@ def train_step(
                 state.params if copy is None else copy)
             if has_state:
                 model_state = new_ms
+            auxes.append(aux)
             if accumulate == 1:
                 grad_sum, loss_sum = grads, loss
             else:
@@ -477,6 +497,8 @@ def train_step(
                 grad_sum = g32 if grad_sum is None else optree.tree_map(torch.add, grad_sum, g32)
                 loss_sum = loss if loss_sum is None else loss_sum + loss
         loss = loss_sum if accumulate == 1 else loss_sum * (1.0 / accumulate)
+        if has_aux and accumulate > 1:
+            aux = _stack_aux(auxes)
         return grad_sum, loss, aux, model_state
 
     def update_phase(state: TrainState, batch: tuple[Any, ...], grad_sum: Any, loss: Any,
