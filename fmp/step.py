@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fmp._batch_cast import CastBatch, cast_batch_args, check_cast_batch, warn_cast_overflow
 from fmp._compute_copy import current_copy, stamp
 from fmp._fused import (
     check_and_unscale_owned_,
@@ -126,6 +127,7 @@ def value_and_grad(
     has_aux: bool = False,
     autocast: bool = False,
     param_policies: Mapping[str, Policy] | None = None,
+    cast_batch: CastBatch = True,
 ) -> Callable[..., tuple[Any, Any, torch.Tensor]]:
     """Loss, unscaled grads and a finite flag, computed under a mixed-precision policy.
 
@@ -149,6 +151,10 @@ def value_and_grad(
         autocast: also run ``loss_fn`` under ``torch.autocast`` at the compute dtype.
         param_policies: per-parameter policies (from :func:`fmp.module_policies`) for the
             compute cast of a params dict; inputs still follow ``policy``.
+        cast_batch: which arguments' floating leaves are cast to the compute dtype: True
+            (all), False (none), or one bool per positional argument (keyword arguments
+            are cast unless it is False). The first call warns when the cast turns a
+            finite value into inf (e.g. a float16 target above 65504).
 
     Returns:
         ``fn(params, loss_scale, *args, **kwargs) -> (loss, grads, finite)``, or
@@ -165,10 +171,16 @@ def value_and_grad(
         >>> grads["w"].dtype, bool(finite)
         (torch.float32, True)
     """
-    scaled_loss = _scaled_loss_fn(loss_fn, get_policy(policy), has_aux, autocast,
-                                  param_policies)
+    pol = get_policy(policy)
+    cast_batch = check_cast_batch(cast_batch)
+    scaled_loss = _scaled_loss_fn(loss_fn, pol, has_aux, autocast, param_policies, cast_batch)
+    first = [True]
 
     def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
+        if first[0] and not torch.compiler.is_compiling():
+            first[0] = False
+            warn_cast_overflow(args, kwargs, pol.compute_dtype, cast_batch,
+                               "fmp.value_and_grad")
         grads, (loss, aux) = grad_with_aux(
             lambda p: scaled_loss(p, loss_scale, (), args, kwargs, True), params)
         grads = loss_scale.unscale(grads)
@@ -187,7 +199,8 @@ def _param_caster(pol: Policy, param_policies: Mapping[str, Policy] | None
 
 
 def _scaled_loss_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, autocast: bool,
-                    param_policies: Mapping[str, Policy] | None) -> Callable[..., Any]:
+                    param_policies: Mapping[str, Policy] | None,
+                    cast_batch: CastBatch = True) -> Callable[..., Any]:
     """``f(params, loss_scale, lead, args, kwargs, cast) -> (scaled_loss, (loss32, aux))``.
 
     ``lead`` is passed to ``loss_fn`` before the batch and is not cast (model state);
@@ -198,7 +211,7 @@ def _scaled_loss_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, aut
     def scaled_loss(p: Any, loss_scale: Any, lead: tuple[Any, ...], args: tuple[Any, ...],
                     kwargs: dict[str, Any], cast: bool):
         cp = cast_p(p) if cast else p
-        cargs, ckwargs = pol.cast_to_compute((args, kwargs))
+        cargs, ckwargs = cast_batch_args(args, kwargs, pol.compute_dtype, cast_batch)
         with _autocast_ctx(p, pol.compute_dtype, autocast):
             out = loss_fn(cp, *lead, *cargs, **ckwargs)
         if has_aux:
@@ -345,6 +358,7 @@ def train_step(
     autocast: bool = False,
     param_policies: Mapping[str, Policy] | None = None,
     compute_copy: bool = True,
+    cast_batch: CastBatch = True,
 ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
     """Build ``step(state, *batch) -> (new_state, metrics)``: one skip-safe update.
 
@@ -395,6 +409,11 @@ def train_step(
             counters do not see: then pass ``state._replace(compute_params=None)``). Steps
             traced whole by ``torch.compile`` or run inside a torch.func transform cast
             every step and return ``compute_params=None``. False: always cast.
+        cast_batch: which batch arguments' floating leaves are cast to the compute dtype:
+            True (all), False (none) or one bool per positional batch argument, e.g.
+            ``(True, False)`` to cast ``x`` and keep a float32 target ``y`` as it is. The
+            first eager call warns (``RuntimeWarning``) when the cast turns a finite
+            value into inf (a float16 target of 70000: every such step would be skipped).
 
     Returns:
         ``step(state, *batch) -> (new_state, metrics)``; ``metrics`` is a dict of tensors:
@@ -403,8 +422,9 @@ def train_step(
         adjustment), ``skipped_total`` (int32), and ``aux`` with ``has_aux``.
 
     Raises:
-        ValueError: ``accumulate`` is not a positive int; a batch's leading size is not
-            divisible by ``accumulate`` (when called).
+        ValueError: ``accumulate`` is not a positive int; ``cast_batch`` is not a bool or a
+            sequence of bools; a batch's leading size is not divisible by ``accumulate``,
+            or ``cast_batch`` has not one entry per batch argument (when called).
         TypeError: ``optimizer`` is not a GradientTransformation.
         RuntimeError: ``process_group`` is given but torch.distributed is not initialised.
 
@@ -436,6 +456,8 @@ def train_step(
         def grads_finite(g: Any) -> torch.Tensor:
             return dist_.all_finite(g, group=group)
     pol = get_policy(policy)
+    cast_batch = check_cast_batch(cast_batch)
+    first_call = [True]
 
     def split_out(out: Any) -> tuple[Any, Any, Any]:
         """-> (loss, new_model_state, aux) from loss_fn's return value."""
@@ -462,7 +484,7 @@ def train_step(
         loss, new_ms, a = split_out(loss_fn(p, *rest))
         return loss, (new_ms, a)
 
-    scaled_loss = _scaled_loss_fn(wrapped, pol, True, autocast, param_policies)
+    scaled_loss = _scaled_loss_fn(wrapped, pol, True, autocast, param_policies, cast_batch)
     cast_p = _param_caster(pol, param_policies)
     # params are checked to be in their param dtypes, so whether the cast changes any of
     # them is known now: where it changes none there is no copy to keep or check
@@ -570,6 +592,9 @@ def train_step(
         """The step, with the scaled loss and the update phase given (fmp.compile passes
         compiled ones)."""
         _check_param_dtypes(state.params, pol, param_policies)
+        if first_call[0] and not torch.compiler.is_compiling():
+            first_call[0] = False
+            warn_cast_overflow(batch, {}, pol.compute_dtype, cast_batch, "fmp.train_step")
         state = prepare(state)
         new_state, metrics = update_impl(state, batch, *grad_phase(state, batch, loss_impl))
         if state.compute_params is not None:
