@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fmp._batch_cast import CastBatch, cast_batch_args, check_cast_batch, warn_cast_overflow
 from fmp._checks import check_loss_scale, check_param_policies
 from fmp._compute_copy import current_copy, stamp
 from fmp._fused import (
@@ -165,6 +166,7 @@ def value_and_grad(
     has_aux: bool = False,
     autocast: bool = False,
     param_policies: Mapping[str, Policy] | None = None,
+    cast_batch: CastBatch = True,
 ) -> Callable[..., tuple[Any, Any, torch.Tensor]]:
     """Loss, unscaled grads and a finite flag, computed under a mixed-precision policy.
 
@@ -188,6 +190,10 @@ def value_and_grad(
         autocast: also run ``loss_fn`` under ``torch.autocast`` at the compute dtype.
         param_policies: per-parameter policies (from :func:`fmp.module_policies`) for the
             compute cast of a params dict; inputs still follow ``policy``.
+        cast_batch: which arguments' floating leaves are cast to the compute dtype: True
+            (all), False (none), or one bool per positional argument (keyword arguments
+            are cast unless it is False). The first call warns when the cast turns a
+            finite value into inf (e.g. a float16 target above 65504).
 
     Returns:
         ``fn(params, loss_scale, *args, **kwargs) -> (loss, grads, finite)``, or
@@ -207,11 +213,17 @@ def value_and_grad(
         (torch.float32, True)
     """
     check_param_policies(param_policies, "value_and_grad")
-    scaled_loss = _scaled_loss_fn(loss_fn, get_policy(policy), has_aux, autocast,
-                                  param_policies)
+    pol = get_policy(policy)
+    cast_batch = check_cast_batch(cast_batch)
+    scaled_loss = _scaled_loss_fn(loss_fn, pol, has_aux, autocast, param_policies, cast_batch)
+    first = [True]
 
     def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
         check_loss_scale(loss_scale, "value_and_grad")
+        if first[0] and not torch.compiler.is_compiling():
+            first[0] = False
+            warn_cast_overflow(args, kwargs, pol.compute_dtype, cast_batch,
+                               "fmp.value_and_grad")
         grads, (loss, aux) = grad_with_aux(
             lambda p: scaled_loss(p, loss_scale, (), args, kwargs, True), params)
         grads = loss_scale.unscale(grads)
@@ -230,7 +242,8 @@ def _param_caster(pol: Policy, param_policies: Mapping[str, Policy] | None
 
 
 def _scaled_loss_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, autocast: bool,
-                    param_policies: Mapping[str, Policy] | None) -> Callable[..., Any]:
+                    param_policies: Mapping[str, Policy] | None,
+                    cast_batch: CastBatch = True) -> Callable[..., Any]:
     """``f(params, loss_scale, lead, args, kwargs, cast) -> (scaled_loss, (loss32, aux))``.
 
     ``lead`` is passed to ``loss_fn`` before the batch and is not cast (model state);
@@ -241,7 +254,7 @@ def _scaled_loss_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, aut
     def scaled_loss(p: Any, loss_scale: Any, lead: tuple[Any, ...], args: tuple[Any, ...],
                     kwargs: dict[str, Any], cast: bool):
         cp = cast_p(p) if cast else p
-        cargs, ckwargs = pol.cast_to_compute((args, kwargs))
+        cargs, ckwargs = cast_batch_args(args, kwargs, pol.compute_dtype, cast_batch)
         with _autocast_ctx(p, pol.compute_dtype, autocast):
             out = loss_fn(cp, *lead, *cargs, **ckwargs)
         if has_aux:
@@ -297,6 +310,21 @@ def _split_batch(batch: tuple[Any, ...], k: int) -> list[tuple[Any, ...]]:
         else:
             chunks.append((x,) * k)
     return [optree.tree_unflatten(spec, [c[j] for c in chunks]) for j in range(k)]
+
+
+def _stack_aux(auxes: list[Any]) -> Any:
+    """The k micro-batches' aux values as one: tensor leaves stacked along a new dim 0 (in
+    micro-batch order), other leaves as a tuple of the k values."""
+    leaves0, spec = optree.tree_flatten(auxes[0])
+    rows = [spec.flatten_up_to(a) for a in auxes[1:]]
+    out = []
+    for i, x in enumerate(leaves0):
+        column = [x] + [r[i] for r in rows]
+        if isinstance(x, torch.Tensor):
+            out.append(torch.stack(column))
+        else:
+            out.append(tuple(column))
+    return optree.tree_unflatten(spec, out)
 
 
 def _device_of(tree: Any) -> torch.device:
@@ -373,6 +401,7 @@ def train_step(
     autocast: bool = False,
     param_policies: Mapping[str, Policy] | None = None,
     compute_copy: bool = True,
+    cast_batch: CastBatch = True,
 ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
     """Build ``step(state, *batch) -> (new_state, metrics)``: one skip-safe update.
 
@@ -405,6 +434,9 @@ def train_step(
             agreed (:func:`fmp.distributed.all_finite`), so every rank skips together. The
             reported loss is the local one. None: single process.
         has_aux: ``loss_fn`` also returns an auxiliary value, returned as ``metrics["aux"]``.
+            With ``accumulate=k > 1`` it holds all k micro-batches' values, in order: each
+            tensor leaf stacked along a new leading dim of size k (``aux["acc"].mean()`` is
+            the batch's), each other leaf a tuple of the k values.
         has_state: ``loss_fn`` takes and returns model state (``TrainState.model_state``);
             a skipped step keeps the old model state.
         autocast: also run ``loss_fn`` under ``torch.autocast`` at the compute dtype.
@@ -420,6 +452,11 @@ def train_step(
             counters do not see: then pass ``state._replace(compute_params=None)``). Steps
             traced whole by ``torch.compile`` or run inside a torch.func transform cast
             every step and return ``compute_params=None``. False: always cast.
+        cast_batch: which batch arguments' floating leaves are cast to the compute dtype:
+            True (all), False (none) or one bool per positional batch argument, e.g.
+            ``(True, False)`` to cast ``x`` and keep a float32 target ``y`` as it is. The
+            first eager call warns (``RuntimeWarning``) when the cast turns a finite
+            value into inf (a float16 target of 70000: every such step would be skipped).
 
     Returns:
         ``step(state, *batch) -> (new_state, metrics)``; ``metrics`` is a dict of tensors:
@@ -430,8 +467,9 @@ def train_step(
         NaN or negative, and the step was then skipped (:func:`fmp.optim.schedule_ok`).
 
     Raises:
-        ValueError: ``accumulate`` is not a positive int; a batch's leading size is not
-            divisible by ``accumulate`` (when called).
+        ValueError: ``accumulate`` is not a positive int; ``cast_batch`` is not a bool or a
+            sequence of bools; a batch's leading size is not divisible by ``accumulate``,
+            or ``cast_batch`` has not one entry per batch argument (when called).
         TypeError: ``optimizer`` is not a GradientTransformation; ``param_policies`` is
             not a dict of :class:`fmp.Policy`; (when called) the optimizer state was made by
             another optimizer.
@@ -466,6 +504,8 @@ def train_step(
         def grads_finite(g: Any) -> torch.Tensor:
             return dist_.all_finite(g, group=group)
     pol = get_policy(policy)
+    cast_batch = check_cast_batch(cast_batch)
+    first_call = [True]
 
     def split_out(out: Any) -> tuple[Any, Any, Any]:
         """-> (loss, new_model_state, aux) from loss_fn's return value."""
@@ -492,7 +532,7 @@ def train_step(
         loss, new_ms, a = split_out(loss_fn(p, *rest))
         return loss, (new_ms, a)
 
-    scaled_loss = _scaled_loss_fn(wrapped, pol, True, autocast, param_policies)
+    scaled_loss = _scaled_loss_fn(wrapped, pol, True, autocast, param_policies, cast_batch)
     cast_p = _param_caster(pol, param_policies)
     # params are checked to be in their param dtypes, so whether the cast changes any of
     # them is known now: where it changes none there is no copy to keep or check
@@ -508,6 +548,7 @@ def train_step(
         grad_sum: Any = None
         loss_sum: Any = None
         aux = None
+        auxes = []
         for mb in micro:
             lead = (model_state,) if has_state else ()
             grads, (loss, (new_ms, aux)) = grad_with_aux(
@@ -516,6 +557,7 @@ def train_step(
                 state.params if copy is None else copy)
             if has_state:
                 model_state = new_ms
+            auxes.append(aux)
             if accumulate == 1:
                 grad_sum, loss_sum = grads, loss
             else:
@@ -525,6 +567,8 @@ def train_step(
                 grad_sum = g32 if grad_sum is None else optree.tree_map(torch.add, grad_sum, g32)
                 loss_sum = loss if loss_sum is None else loss_sum + loss
         loss = loss_sum if accumulate == 1 else loss_sum * (1.0 / accumulate)
+        if has_aux and accumulate > 1:
+            aux = _stack_aux(auxes)
         return grad_sum, loss, aux, model_state
 
     def update_phase(state: TrainState, batch: tuple[Any, ...], grad_sum: Any, loss: Any,
@@ -601,6 +645,9 @@ def train_step(
         """The step, with the scaled loss and the update phase given (fmp.compile passes
         compiled ones)."""
         _check_param_dtypes(state.params, pol, param_policies)
+        if first_call[0] and not torch.compiler.is_compiling():
+            first_call[0] = False
+            warn_cast_overflow(batch, {}, pol.compute_dtype, cast_batch, "fmp.train_step")
         state = prepare(state)
         new_state, metrics = update_impl(state, batch, *grad_phase(state, batch, loss_impl))
         if state.compute_params is not None:
