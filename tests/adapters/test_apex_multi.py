@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.nn import Parameter
 
+import fmp
 from adapters.apex.amp import Amp
 
 F16 = torch.float16
@@ -107,9 +108,13 @@ def _run_amp(scenario, level, loss_scale, how, multi, inject, fused=False):
     models, opts = amp.initialize(models, opts, opt_level=level, verbosity=0,
                                   cast_model_type=False, num_losses=2 if multi else 1,
                                   **kwargs)
-    amp.load_state_dict({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0},
-                         **({"loss_scaler1": {"loss_scale": 16.0, "unskipped": 0}}
-                            if multi else {})})
+    # Non-trivial scales per loss. A checkpoint cannot change a fixed scale (an error since
+    # issue 14), so the fixed ones are set on the scalers directly.
+    for scaler, value in zip(amp.loss_scalers, (4.0, 16.0), strict=False):
+        if scaler.dynamic:
+            scaler.load_state_dict({"loss_scale": value, "unskipped": 0})
+        else:
+            scaler.record, scaler.static_value = fmp.StaticLossScale(value), value
     loss_ids = [0, 1] if multi else [0, 0]
     skips = {inject_iter: set(loss_opts[which])} if inject_iter >= 0 else {}
     ref_grads, ref_final = _reference(scenario, iters, skips)

@@ -24,6 +24,7 @@ from adapters.apex.amp._model import (
 from adapters.apex.amp._opt_levels import Properties, resolve_properties
 from adapters.apex.amp._optimizer import OptimizerRecord, is_dtensor
 from adapters.apex.amp._scaler import LossScaler
+from adapters.apex.amp._session import DISABLED_MARK, MODEL_MARK, Config, Session
 
 __all__ = ["Amp"]
 
@@ -93,12 +94,7 @@ class Amp:
             raise AmpError(f"scale_window must be an int >= 1, got {scale_window!r}")
         self.scale_window = scale_window
         self.process_group = process_group
-        self.initialized = False
-        self.enabled = True
-        self.properties: Properties | None = None
-        self.models: list[torch.nn.Module] = []
-        self.loss_scalers: list[LossScaler] = []
-        self._records: list[OptimizerRecord] = []
+        self._session: Session | None = None
         self._log = RateLimitedLog(1)
         self._pending_state: Mapping[str, Any] | None = None
         self._registry: list[tuple[Any, str, Kind]] = []
@@ -182,6 +178,7 @@ class Amp:
             >>> net.weight.dtype, net(torch.ones(1, 2)).dtype
             (torch.float16, torch.float32)
         """
+        # Everything is validated first: a failed initialize changes nothing.
         model_list, one_model = _as_list(models, torch.nn.Module, "models")
         for m in model_list:
             if isinstance(m, _PARALLEL):
@@ -189,20 +186,20 @@ class Amp:
                     f"the model is already wrapped in {type(m).__name__}; wrap after "
                     f"initialize: call amp.initialize on the bare model, then wrap the model "
                     f"it returns in {type(m).__name__}")
+        if len({id(m) for m in model_list}) != len(model_list):
+            raise AmpError("the same model appears twice in the models list")
         opt_list: list[torch.optim.Optimizer] = []
         one_opt = False
         if optimizers is not None:
             opt_list, one_opt = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
-            for o in opt_list:
-                if hasattr(o, "_amp_stash"):
-                    raise AmpError("an optimizer was passed through amp.initialize twice; "
-                                   "a given optimizer may be initialized only once (make a "
-                                   "new optimizer, or reuse the one initialize returned)")
             if len({id(o) for o in opt_list}) != len(opt_list):
                 raise AmpError("the same optimizer appears twice in the optimizers list")
         if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
             raise AmpError(f"num_losses must be an int >= 1, got {num_losses!r}")
-        self._log = RateLimitedLog(verbosity)
+        try:
+            log = RateLimitedLog(verbosity)
+        except (TypeError, ValueError):
+            raise AmpError(f"verbosity must be an int (0, 1 or 2), got {verbosity!r}") from None
 
         def result() -> Any:
             ms = model_list[0] if one_model else type(models)(model_list)
@@ -210,23 +207,17 @@ class Amp:
                 return ms
             return ms, (opt_list[0] if one_opt else type(optimizers)(opt_list))
 
-        if self.initialized:
-            self._log.always("amp.initialize called again on this Amp: its previous state "
-                             "is replaced")
-        self.models, self._records, self.loss_scalers = model_list, [], []
-        if not enabled:
-            self.enabled, self.initialized, self.properties = False, True, None
-            return result()
-
-        props = resolve_properties(opt_level, cast_model_type, patch_torch_functions,
-                                   keep_batchnorm_fp32, master_weights, loss_scale,
-                                   cast_model_outputs)
-        self._check_bounds(min_loss_scale, max_loss_scale)
-        self.enabled, self.properties = True, props
-        self._log.always(f"adapters.apex amp: selected optimization level {opt_level}: "
-                         f"{props.describe()}")
-        if props.cast_model_type not in (None, torch.float32) or props.master_weights:
-            for m in model_list:
+        props: Properties | None = None
+        if enabled:
+            props = resolve_properties(opt_level, cast_model_type, patch_torch_functions,
+                                       keep_batchnorm_fp32, master_weights, loss_scale,
+                                       cast_model_outputs)
+            self._check_bounds(min_loss_scale, max_loss_scale)
+        config = Config(props, num_losses, min_loss_scale, max_loss_scale)
+        new_models, new_opts, again = self._classify(model_list, opt_list, config)
+        if props is not None and (props.cast_model_type not in (None, torch.float32)
+                                  or props.master_weights):
+            for m in new_models:
                 if any(is_dtensor(p) for p in m.parameters()):
                     raise AmpError(
                         f"opt_level {opt_level} casts the model and/or keeps float32 master "
@@ -234,25 +225,139 @@ class Amp:
                         f"whose dtypes FSDP2 manages itself: use O1 or O4 (autocast) with "
                         f"fully_shard, or fully_shard's mp_policy "
                         f"(fmp.distributed.fsdp_mixed_precision)")
-        for m in model_list:
+        if again:
+            LOGGER.warning("amp.initialize: %s passed through initialize before with the "
+                           "same settings; returned unchanged", ", ".join(again))
+            if not new_models and not new_opts:
+                sessions = {id(s): s for s in (self._session_of(o) for o in opt_list)
+                            if s is not None}
+                if len(sessions) == 1:
+                    self._session = next(iter(sessions.values()))
+                return result()
+        scalers: list[LossScaler] = []
+        if props is not None:
+            device = _first_device(model_list)
+            scalers = [LossScaler(i, props.loss_scale, min_loss_scale, max_loss_scale,
+                                  self.scale_window, device, log)
+                       for i in range(num_losses)]
+        session = Session(self, config, model_list, scalers, log)
+        loads: list[tuple[LossScaler, tuple[float, int]]] = []
+        if self._pending_state is not None and props is not None:
+            loads = self._check_state(self._pending_state, scalers)
+
+        # Validated: from here on, change things.
+        if self._session is not None and self._session.enabled:
+            log.always("amp.initialize called again on this Amp: amp.state_dict(), "
+                       "amp.loss_scale() and amp.autocast() now follow this call; the "
+                       "optimizers of earlier calls keep their own loss scalers")
+        self._log = log
+        self._session = session
+        if props is None:
+            for o in new_opts:
+                setattr(o, DISABLED_MARK, session)
+            return result()
+        log.always(f"adapters.apex amp: selected optimization level {opt_level}: "
+                   f"{props.describe()}")
+        for m in new_models:
             self._setup_model(m, props)
-        for o in opt_list:
-            self._records.append(OptimizerRecord(o, props.master_weights, self._device_type,
-                                                 self._on_skip))
-        device = _first_device(model_list)
-        self.loss_scalers = [
-            LossScaler(i, props.loss_scale, min_loss_scale, max_loss_scale,
-                       self.scale_window, device, self._log)
-            for i in range(num_losses)
-        ]
-        self.initialized = True
-        if self._pending_state is not None:
-            pending, self._pending_state = self._pending_state, None
-            self.load_state_dict(pending)
+            setattr(m, MODEL_MARK, props)
+        for o in new_opts:
+            if hasattr(o, DISABLED_MARK):
+                delattr(o, DISABLED_MARK)
+            rec = OptimizerRecord(o, props.master_weights, session.device_type,
+                                  self._on_skip)
+            rec.session = session
+            session.records.append(rec)
+        for scaler, values in loads:
+            scaler.apply_state(*values)
+        self._pending_state = None
         if props.patch_torch_functions:
             for entry in self._registry:
                 self._patch(*entry)
         return result()
+
+    def _classify(self, models: list[torch.nn.Module], opts: list[torch.optim.Optimizer],
+                  config: Config) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer],
+                                           list[str]]:
+        """Split the arguments into new ones and ones initialized before (checked)."""
+        props = config.properties
+        new_models, new_opts, again = [], [], []
+        for i, m in enumerate(models):
+            prev = m.__dict__.get(MODEL_MARK)
+            if prev is None:
+                new_models.append(m)
+                continue
+            if props is None:  # enabled=False leaves the model as it is
+                continue
+            if prev != props:
+                diff = Config(prev, 1, None, 0).differences(Config(props, 1, None, 0))
+                raise AmpError(
+                    f"model {i} ({type(m).__name__}) was already initialized at opt_level "
+                    f"{prev.opt_level} with other settings ({'; '.join(diff)}); amp cannot "
+                    f"re-initialize a model at another level (its weights were cast): "
+                    f"rebuild the model (and its optimizer) and initialize those")
+            again.append(f"model {i} ({type(m).__name__})")
+        for i, o in enumerate(opts):
+            rec = getattr(o, "_amp_stash", None)
+            if rec is None:
+                new_opts.append(o)
+                continue
+            session = getattr(rec, "session", None)
+            if not isinstance(rec, OptimizerRecord) or session is None or \
+                    session.owner is not self:
+                raise AmpError(
+                    f"optimizer {i} ({type(o).__name__}) was passed through the initialize "
+                    f"of another Amp (or by Apex) before; a given optimizer may be "
+                    f"initialized only once per Amp, it cannot move (initialize twice "
+                    f"across Amp objects): make a new optimizer, or use that Amp")
+            if session.config != config:
+                diff = session.config.differences(config)
+                raise AmpError(
+                    f"optimizer {i} ({type(o).__name__}) was already initialized with other "
+                    f"settings ({'; '.join(diff)}); amp cannot re-initialize an optimizer "
+                    f"with new settings: make a new optimizer (and model) and initialize "
+                    f"those, or pass the same settings again")
+            again.append(f"optimizer {i} ({type(o).__name__})")
+        return new_models, new_opts, again
+
+    def _session_of(self, optimizer: Any) -> Session | None:
+        """The session of this Amp that ``optimizer`` belongs to, or None."""
+        rec = getattr(optimizer, "_amp_stash", None)
+        session = getattr(rec, "session", None) if isinstance(rec, OptimizerRecord) else \
+            getattr(optimizer, DISABLED_MARK, None)
+        if isinstance(session, Session) and session.owner is self:
+            return session
+        return None
+
+    # The state of the latest initialize call (read-only views of its session).
+    @property
+    def initialized(self) -> bool:
+        """Whether ``initialize`` was called on this Amp."""
+        return self._session is not None
+
+    @property
+    def enabled(self) -> bool:
+        """False when the latest ``initialize`` had ``enabled=False``."""
+        return self._session is None or self._session.enabled
+
+    @property
+    def properties(self) -> Properties | None:
+        """The resolved settings of the latest ``initialize`` (None: disabled, or none)."""
+        return None if self._session is None else self._session.properties
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """The models of the latest ``initialize``."""
+        return [] if self._session is None else self._session.models
+
+    @property
+    def loss_scalers(self) -> list[LossScaler]:
+        """The loss scalers of the latest ``initialize`` (one per ``loss_id``)."""
+        return [] if self._session is None else self._session.loss_scalers
+
+    @property
+    def _records(self) -> list[OptimizerRecord]:
+        return [] if self._session is None else self._session.records
 
     @staticmethod
     def _check_bounds(min_loss_scale: Any, max_loss_scale: Any) -> None:
@@ -296,10 +401,40 @@ class Amp:
 
     def _record(self, optimizer: Any) -> OptimizerRecord:
         rec = getattr(optimizer, "_amp_stash", None)
-        if not isinstance(rec, OptimizerRecord) or rec not in self._records:
-            raise AmpError(f"optimizer {type(optimizer).__name__} was not passed through "
-                           f"initialize of this Amp; pass every optimizer to amp.initialize")
-        return rec
+        if isinstance(rec, OptimizerRecord) and self._session_of(optimizer) is not None:
+            return rec
+        if isinstance(rec, OptimizerRecord):
+            raise AmpError(f"optimizer {type(optimizer).__name__} was initialized by another "
+                           f"Amp object; use the scale_loss of that Amp")
+        raise AmpError(f"optimizer {type(optimizer).__name__} was not passed through "
+                       f"initialize of this Amp; pass every optimizer to amp.initialize")
+
+    def _optimizer_list(self, optimizers: Any) -> list[torch.optim.Optimizer]:
+        if isinstance(optimizers, torch.optim.Optimizer):
+            return [optimizers]
+        if isinstance(optimizers, list | tuple) and optimizers and \
+                all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            return list(optimizers)
+        raise AmpError(f"scale_loss needs an optimizer or a non-empty list of optimizers (the "
+                       f"ones owning the params this backward reaches), got {optimizers!r}")
+
+    def _session_for(self, opts: list[torch.optim.Optimizer]) -> Session:
+        """The one session the optimizers of a scale_loss call belong to."""
+        found = [self._session_of(o) for o in opts]
+        if all(s is None for s in found) and self._session is not None and \
+                not self._session.enabled:
+            return self._session  # Apex: amp disabled, scale_loss passes the loss through
+        for o, s in zip(opts, found, strict=True):
+            if s is None:
+                self._record(o)  # raises the precise error
+        sessions = {id(s): s for s in found}
+        if len(sessions) > 1:
+            raise AmpError("scale_loss got optimizers from different amp.initialize calls, "
+                           "which keep separate loss scalers; call scale_loss once per "
+                           "initialize call (or initialize them together)")
+        session = found[0]
+        assert session is not None
+        return session
 
     # ----------------------------------------------------------------------------------
     # scale_loss
@@ -351,20 +486,21 @@ class Amp:
             65536.0
         """
         self._require("amp.scale_loss")
-        if not self.enabled:
+        opts = self._optimizer_list(optimizers)
+        session = self._session_for(opts)
+        if not session.enabled:
             yield loss
             return
-        if isinstance(optimizers, torch.optim.Optimizer):
-            optimizers = [optimizers]
-        recs = [self._record(o) for o in optimizers]
+        recs = [self._record(o) for o in opts]
+        scalers = session.loss_scalers
         if isinstance(loss_id, bool) or not isinstance(loss_id, int) or \
-                not 0 <= loss_id < len(self.loss_scalers):
+                not 0 <= loss_id < len(scalers):
             raise AmpError(f"loss_id={loss_id!r} is out of range: initialize was called with "
-                           f"num_losses={len(self.loss_scalers)}, so 0 <= loss_id < "
-                           f"{len(self.loss_scalers)}")
-        scaler = self.loss_scalers[loss_id]
-        assert self.properties is not None
-        if not self.properties.master_weights and scaler.static_value == 1.0:
+                           f"num_losses={len(scalers)}, so 0 <= loss_id < {len(scalers)}")
+        scaler = scalers[loss_id]
+        props = session.properties
+        assert props is not None
+        if not props.master_weights and scaler.static_value == 1.0:
             yield loss.float()
             return
         scaler.to(loss.device)
@@ -596,6 +732,10 @@ class Amp:
     def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         """The params the optimizer steps: the float32 masters under O2/O5, else the model's.
 
+        Under O2/O5 the masters first take the value of model params written since they
+        last agreed (``model.load_state_dict`` after initialize, DDP's broadcast), as
+        Apex's masters, made lazily, did.
+
         Args:
             optimizer: an optimizer (returned by initialize).
 
@@ -607,6 +747,9 @@ class Amp:
             >>> len(list(Amp.master_params(opt)))
             1
         """
+        rec = getattr(optimizer, "_amp_stash", None)
+        if isinstance(rec, OptimizerRecord) and rec.masters is not None:
+            rec.masters.sync_from_model()
         for group in optimizer.param_groups:
             yield from group["params"]
 
@@ -673,8 +816,12 @@ class Amp:
             state_dict: Apex's format.
 
         Raises:
-            AmpError: a key that is not ``loss_scaler<N>`` (all such keys are named), or a
-                malformed entry.
+            AmpError: not a dict; a key that is not ``loss_scaler<N>`` (all such keys are
+                named) or two keys naming one scaler (``loss_scaler0``, ``loss_scaler00``);
+                an entry that is not ``{"loss_scale": number, "unskipped": int}``; a scale
+                different from the fixed scale of this opt level (a dynamic-scale
+                checkpoint loaded at O3, say). Nothing is loaded then; before initialize,
+                the entries are checked by initialize, which then changes nothing.
 
         Example:
             >>> amp = Amp()
@@ -683,29 +830,52 @@ class Amp:
             >>> amp.loss_scale()
             8.0
         """
-        if not isinstance(state_dict, Mapping):
-            raise AmpError(f"amp.load_state_dict needs a dict, got {type(state_dict).__name__}")
-        unexpected = [k for k in state_dict if not (isinstance(k, str) and _KEY.fullmatch(k))]
-        if unexpected:
-            raise AmpError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
-                           + ", ".join(f'"{k}"' for k in unexpected)
-                           + '; expected keys "loss_scaler0", "loss_scaler1", ...')
+        self._check_keys(state_dict)
         if not self.initialized:
             self._pending_state = dict(state_dict)
             return
-        n = len(self.loss_scalers)
-        if len(state_dict) != n:
-            LOGGER.warning("amp.load_state_dict: the state dict has %d loss scalers, this Amp "
-                           "uses %d", len(state_dict), n)
-        for key, entry in state_dict.items():
+        for scaler, values in self._check_state(state_dict, self.loss_scalers):
+            scaler.apply_state(*values)
+
+    @staticmethod
+    def _check_keys(state_dict: Any) -> dict[int, str]:
+        """The scaler index of each key of Apex's amp state dict (validated)."""
+        if not isinstance(state_dict, Mapping):
+            raise AmpError(f"amp.load_state_dict needs a dict (what amp.state_dict() "
+                           f"returned), got {type(state_dict).__name__}")
+        unexpected = [k for k in state_dict if not (isinstance(k, str) and _KEY.fullmatch(k))]
+        if unexpected:
+            raise AmpError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
+                           + ", ".join(f'"{k}"' if isinstance(k, str) else repr(k)
+                                       for k in unexpected)
+                           + '; expected keys "loss_scaler0", "loss_scaler1", ...')
+        index: dict[int, str] = {}
+        for key in state_dict:
             m = _KEY.fullmatch(key)
             assert m is not None
             i = int(m.group(1))
+            if i in index:
+                raise AmpError(f"amp.load_state_dict: keys {index[i]!r} and {key!r} both name "
+                               f"loss scaler {i}; a state dict holds one entry per scaler")
+            index[i] = key
+        return index
+
+    def _check_state(self, state_dict: Mapping[str, Any], scalers: list[LossScaler]
+                     ) -> list[tuple[LossScaler, tuple[float, int]]]:
+        """Validate every entry against ``scalers`` (nothing changes); the values to set."""
+        index = self._check_keys(state_dict)
+        n = len(scalers)
+        if len(state_dict) != n:
+            LOGGER.warning("amp.load_state_dict: the state dict has %d loss scalers, this Amp "
+                           "uses %d", len(state_dict), n)
+        out = []
+        for i, key in sorted(index.items()):
             if i >= n:
                 LOGGER.warning("amp.load_state_dict: skipping %s, since num_losses was set to "
                                "%d", key, n)
                 continue
             try:
-                self.loss_scalers[i].load_state_dict(entry)
+                out.append((scalers[i], scalers[i].check_state(state_dict[key])))
             except ValueError as e:
                 raise AmpError(str(e)) from None
+        return out

@@ -19,6 +19,15 @@ __all__ = ["MASTER_KEY", "MasterWeights", "is_low_precision"]
 MASTER_KEY = "fmp_master"
 
 
+def _stamp(p: torch.Tensor) -> tuple[int, int] | None:
+    """What changes when ``p`` is written: its version counter and its data's address.
+
+    None where a torch lacks the (private) version counter: then every sync compares.
+    """
+    version = getattr(p, "_version", None)
+    return (version, p.data_ptr()) if isinstance(version, int) else None
+
+
 def is_low_precision(p: torch.Tensor) -> bool:
     """True for floating tensors narrower than float32 (float16, bfloat16, float8...)."""
     return p.is_floating_point() and p.element_size() < 4
@@ -43,6 +52,9 @@ class MasterWeights:
         self.optimizer = optimizer
         self._incoming: dict[int, torch.Tensor] = {}
         self.model_of: dict[torch.Tensor, torch.Tensor] = {}  # master -> model param
+        # master -> (version, data_ptr) of its model param when they last agreed; a master
+        # missing here is compared by value at the next sync (see sync_from_model)
+        self._seen: dict[torch.Tensor, tuple[int, int] | None] = {}
         for group in optimizer.param_groups:
             self.adopt_group(group)
         optimizer.register_state_dict_post_hook(self._state_dict_hook)
@@ -93,6 +105,41 @@ class MasterWeights:
         if self.model_of:
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.masters)
+            for m, p in self.model_of.items():
+                self._seen[m] = _stamp(p)
+
+    def sync_from_model(self) -> int:
+        """Make the masters follow model params that were written since they last agreed.
+
+        Apex made the masters lazily, at the first backward, from the model as it was then
+        (after ``model.load_state_dict``, after DDP's broadcast from rank 0). Here they
+        exist from ``initialize`` on, so they are checked instead: a master made (or
+        loaded) since the last check is compared by value with its model param; later,
+        only masters whose model param was written in place since (its version counter or
+        storage moved: ``load_state_dict``, a broadcast, ``p.copy_``) are compared. A
+        model param that no longer equals its master rounded to the param's dtype gives
+        the master its value. Masters that still agree keep their extra bits (exact
+        resume stays exact). One host sync when something is compared, none otherwise.
+
+        Returns:
+            How many masters took the model's value.
+        """
+        pairs = [(m, p) for m, p in self.model_of.items()
+                 if self._seen.get(m) is None or self._seen[m] != _stamp(p)]
+        if not pairs:
+            return 0
+        with torch.no_grad():
+            differ = torch.stack([torch.ne(p, m.to(p.dtype)).any().to(p.device)
+                                  if p.shape == m.shape else torch.ones((), dtype=torch.bool,
+                                                                        device=p.device)
+                                  for m, p in pairs]).tolist()
+            n = 0
+            for (m, p), d in zip(pairs, differ, strict=True):
+                if d:
+                    m.copy_(p.detach().to(torch.float32))
+                    n += 1
+                self._seen[m] = _stamp(p)
+        return n
 
     def drop_master_grads(self) -> None:
         """Set the masters' grads to None (after a step, real or skipped)."""
@@ -127,6 +174,7 @@ class MasterWeights:
         # than its model param (a stateless optimizer such as plain SGD). A param with
         # neither was never stepped: its master equals the model param, nothing to save.
         # (Adam-like optimizers refuse a per-param entry without "step" on load.)
+        self.sync_from_model()
         state = dict(state_dict["state"])
         for j, p in self._indices():
             model_p = self.model_of.get(p)

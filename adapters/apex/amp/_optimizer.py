@@ -4,7 +4,8 @@
 *instance* (bound methods, so ``torch.optim.lr_scheduler`` can wrap them as usual):
 
 - ``step`` is skipped after an overflow (one shot), refuses closures, runs with autocast
-  disabled, and under master weights copies the masters back into the model. With a
+  disabled, and under master weights copies the masters back into the model (first
+  taking the value of model params written since: ``MasterWeights.sync_from_model``). With a
   fused torch optimizer (``fused=True``) the overflow flag is handed to the kernel as
   ``found_inf`` and the step is skipped on the device, without a host sync.
 - ``zero_grad`` also clears the model params' grads under master weights.
@@ -112,6 +113,8 @@ class OptimizerRecord:
         Under master weights the model params' grads are dropped (what they held was
         already unscaled into the masters' grads, which stay as the accumulator).
         """
+        if self.masters is not None:
+            self.masters.sync_from_model()
         if self.has_scaled_grads:
             return
         master_of_model = set(self.masters.model_of.values()) if self.masters else set()
@@ -250,6 +253,8 @@ def _step(self: torch.optim.Optimizer, closure: Any = None, *args: Any, **kwargs
             rec.masters.drop_master_grads()
         rec.on_skip(rec)
         return None
+    if rec.masters is not None:
+        rec.masters.sync_from_model()
     device_type = rec.device_type()
     ctx = (torch.autocast(device_type, enabled=False)
            if torch.is_autocast_enabled(device_type) else contextlib.nullcontext())

@@ -8,7 +8,9 @@ records, reads them back for the log and the checkpoint, and reports overflows.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -172,25 +174,52 @@ class LossScaler:
             return {"loss_scale": d["loss_scale"], "unskipped": d["counter"]}
         return {"loss_scale": self.record.loss_scale.item(), "unskipped": self.static_unskipped}
 
+    def check_state(self, d: Any) -> tuple[float, int]:
+        """Validate Apex's per-scaler entry for this scaler; change nothing.
+
+        Returns:
+            ``(loss_scale, unskipped)``.
+
+        Raises:
+            ValueError: the entry is not a dict with a real ``loss_scale`` and an integer
+                ``unskipped``, the scale is not positive and finite, or this scaler has a
+                fixed scale and the entry holds another one (a checkpoint of a dynamic
+                scale, or of another fixed scale: loading it would change the scale).
+        """
+        what = f"loss_scaler{self.index}"
+        if not isinstance(d, Mapping) or "loss_scale" not in d or "unskipped" not in d:
+            raise ValueError(f"{what} entry must be a dict with numeric 'loss_scale' and "
+                             f"integer 'unskipped', got {d!r}")
+        scale, unskipped = _number(d["loss_scale"], False), _number(d["unskipped"], True)
+        if scale is None:
+            raise ValueError(f"{what}: 'loss_scale' must be a real number, got "
+                             f"{d['loss_scale']!r}")
+        if unskipped is None:
+            raise ValueError(f"{what}: 'unskipped' must be an int, got {d['unskipped']!r}")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"{what}: loss_scale must be a positive finite number, "
+                             f"got {scale!r}")
+        if not self.dynamic and _f32(scale) != _f32(self.static_value):
+            raise ValueError(
+                f"{what}: the checkpoint holds loss_scale={scale!r}, but this scaler has the "
+                f"fixed loss_scale={self.static_value!r} of its opt level; loading it would "
+                f"silently change the scale (a checkpoint of a dynamic scale?). Initialize "
+                f"with the loss_scale the checkpoint was saved with (loss_scale='dynamic' or "
+                f"loss_scale={scale!r}), or do not load amp's state")
+        return float(scale), int(unskipped)
+
     def load_state_dict(self, d: Any) -> None:
         """Restore from Apex's per-scaler entry (values out of bounds are clamped, logged).
 
         Raises:
-            ValueError: the entry is not a dict with numeric ``loss_scale`` and
-                ``unskipped``.
+            ValueError: see :meth:`check_state` (nothing is changed then).
         """
-        try:
-            scale, unskipped = float(d["loss_scale"]), int(d["unskipped"])
-        except (TypeError, KeyError, ValueError):
-            raise ValueError(f"loss_scaler{self.index} entry must be a dict with numeric "
-                             f"'loss_scale' and 'unskipped', got {d!r}") from None
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"loss_scaler{self.index}: loss_scale must be a positive finite "
-                             f"number, got {scale!r}")
+        self.apply_state(*self.check_state(d))
+
+    def apply_state(self, scale: float, unskipped: int) -> None:
+        """Set the values :meth:`check_state` returned."""
         device = self.record.loss_scale.device
         if not self.dynamic:
-            self.record = fmp.StaticLossScale(scale, device=device)
-            self.static_value = float(self.record.loss_scale.item())
             self.static_unskipped = unskipped
             return
         r = self.record
@@ -205,3 +234,26 @@ class LossScaler:
         self.record = fmp.DynamicLossScale(
             clamped, counter, 0, period=r.period, factor=r.factor, min_scale=r.min_scale,
             max_scale=r.max_scale, hysteresis=r.hysteresis).to(device)
+
+
+def _f32(v: Any) -> float:
+    """``v`` rounded to float32 (the dtype of the scale records), on the host."""
+    return float(torch.tensor(float(v), dtype=torch.float32))
+
+
+def _number(v: Any, integral: bool) -> float | int | None:
+    """``v`` as a Python number (a one-element tensor too); None when it is not one.
+
+    Booleans are refused; ``integral`` also refuses non-integral values (2.5 unskipped).
+    """
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1 or v.dtype == torch.bool or v.is_complex():
+            return None
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    if integral:
+        if isinstance(v, numbers.Integral):
+            return int(v)
+        return int(v) if float(v).is_integer() else None
+    return float(v)
