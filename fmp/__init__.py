@@ -4,7 +4,7 @@ Pure functions over parameter pytrees (optree) on torch.func: dtype policies, lo
 records, functional optimizers (``fmp.optim``) and a skip-safe train step with no host sync.
 """
 
-from fmp import distributed, optim
+from fmp import checkpoint, distributed, optim
 from fmp._compile import compile, inductor_workarounds
 from fmp.cuda_graph import GraphedStep, cuda_graph
 from fmp.dtypes import dtype
@@ -20,6 +20,8 @@ from fmp.policy import PRESETS, Policy, cast_params, get_policy, module_policies
 from fmp.step import TrainState, train_step, value_and_grad
 from fmp.tree import all_finite, cast_tree, select_tree
 
+checkpoint.register_safe_globals()
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "all_finite",
     "cast_params",
     "cast_tree",
+    "checkpoint",
     "compile",
     "cuda_graph",
     "distributed",

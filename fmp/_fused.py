@@ -51,8 +51,10 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def _same_layouts(p: list[torch.Tensor], others: list[list[torch.Tensor]]) -> bool:
-    """The fused kernels need each grad and moment laid out exactly as its param."""
-    return all(len(o) == 0 or all(a.stride() == b.stride() for a, b in zip(p, o, strict=True))
+    """The fused kernels need each grad and moment shaped and laid out exactly as its param
+    (a mismatch goes to the pure path, which names the leaf)."""
+    return all(len(o) == 0 or all(a.shape == b.shape and a.stride() == b.stride()
+                                  for a, b in zip(p, o, strict=True))
                for o in others)
 
 

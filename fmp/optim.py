@@ -19,7 +19,8 @@ either is float64). After each update the moments are cast back to their state d
 so dtypes never drift. Updates come back in the compute dtype; :func:`apply_updates`
 adds them in the promoted dtype of param and update and casts the sum to the param's
 dtype. Scalar step quantities (bias corrections, scheduled learning rates) are 0-d
-float32 tensors on the params' device.
+float32 tensors on the params' device (bias corrections in float64 where a leaf computes
+in float64).
 
 Trees. Params, grads, updates and moments are any optree pytree (params dicts, lists,
 NamedTuples); None is an empty subtree (optree's default), so a None entry passes
@@ -58,13 +59,16 @@ __all__ = [
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "schedule_ok",
     "sgd",
     "trace",
 ]
 
 #: A learning-rate schedule: called with the step count (a 0-d int32 tensor: the number of
 #: updates applied before this one) it returns the rate as a 0-d tensor or a Python float.
-#: It must not synchronise the host (no ``.item()``) if the update is to be compiled.
+#: It must not synchronise the host (no ``.item()``) if the update is to be compiled. A
+#: rate that comes out inf, NaN or negative is never applied: the update uses 0 and
+#: :func:`fmp.train_step` skips the step (:func:`schedule_ok`).
 Schedule = Callable[[torch.Tensor], "torch.Tensor | float"]
 
 _INT32_MAX = 2**31 - 1
@@ -96,6 +100,10 @@ class GradientTransformation(NamedTuple):
     #: run torch's fused in-place kernel (unscale, update and skip in one pass) where it
     #: computes the same formulas. None for other transformations.
     fused: Any = None
+    #: ``schedule_ok(state) -> 0-d bool tensor``: whether the learning rate the next update
+    #: reads from its schedule is finite and >= 0 (see :func:`schedule_ok`). None for
+    #: transformations without a schedule.
+    schedule_ok: Callable[[Any], torch.Tensor] | None = None
 
 
 class EmptyState(NamedTuple):
@@ -187,8 +195,10 @@ def _is_real(x: object) -> bool:
 def _check_range(
     fn: str, name: str, value: object, *, upper: float | None = None, accepted: str
 ) -> float:
-    """``value`` as a float when it is a real number in [0, upper) (or [0, inf)), else raise."""
-    ok = _is_real(value) and value >= 0.0 and (upper is None or value < upper)  # type: ignore[operator]
+    """``value`` as a float when it is a finite real number in [0, upper) (or [0, inf)),
+    else raise (inf and NaN are never accepted: they would put inf / NaN into the params)."""
+    ok = (_is_real(value) and math.isfinite(value)  # type: ignore[arg-type]
+          and value >= 0.0 and (upper is None or value < upper))  # type: ignore[operator]
     if not ok:
         raise ValueError(f"{fn}: invalid {name} {value!r}; accepted: {accepted}")
     return float(value)  # type: ignore[arg-type]
@@ -199,7 +209,7 @@ def _check_lr(fn: str, lr: object) -> float | Schedule:
         return lr  # type: ignore[return-value]
     return _check_range(
         fn, "learning rate lr", lr,
-        accepted="a float >= 0 or a schedule callable(count) -> 0-d tensor or float",
+        accepted="a finite float >= 0 or a schedule callable(count) -> 0-d tensor or float",
     )
 
 
@@ -210,7 +220,7 @@ def _check_betas(fn: str, betas: object) -> tuple[float, float]:
         )
     return tuple(  # type: ignore[return-value]
         _check_range(fn, f"beta parameter at index {i}", b, upper=1.0,
-                     accepted="a float in [0, 1)")
+                     accepted="a finite float in [0, 1)")
         for i, b in enumerate(betas)
     )
 
@@ -254,6 +264,43 @@ def _flatten_like(tree: Any, spec: Any, what: str, like: str) -> list[Any]:
             f"{what} must have the structure of the {like}: {like} is {spec}, {what} is {tspec}"
         )
     return leaves
+
+
+def _check_shapes(leaves: list[Any], like: list[Any], spec: Any, what: str,
+                  like_name: str) -> None:
+    """Each leaf must have the shape of its counterpart (else torch would broadcast)."""
+    if [getattr(x, "shape", None) for x in leaves] == [getattr(y, "shape", None) for y in like]:
+        return
+    for path, x, y in zip(spec.paths(), leaves, like, strict=True):
+        xs, ys = getattr(x, "shape", None), getattr(y, "shape", None)
+        if xs != ys:
+            xs, ys = (tuple(v) if v is not None else v for v in (xs, ys))
+            raise ValueError(
+                f"{what} leaf {'.'.join(map(str, path))!r} has shape {xs}"
+                f" but its {like_name} has shape {ys}: the "
+                "optimizer state was made for other params (rebuild it with "
+                "optimizer.init(params), or TrainState.create)"
+            )
+
+
+def _state_leaves(tree: Any, spec: Any, what: str, g: list[torch.Tensor]) -> list[Any]:
+    """The leaves of a moment tree: the structure of the grads, and each grad's shape."""
+    leaves = _flatten_like(tree, spec, what, "grads")
+    _check_shapes(leaves, g, spec, what, "grad (and param)")
+    return leaves
+
+
+def _expect_state(fn: str, state: Any, cls: type | tuple[type, ...]) -> None:
+    """A clear error for a state made by another optimizer (or no state at all)."""
+    if isinstance(state, cls):
+        return
+    names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+    raise TypeError(
+        f"{fn}.update: the optimizer state is a {type(state).__name__}, but {fn} needs the "
+        f"{names} made by its own init; was the state made by another optimizer? Build it "
+        "with this optimizer: state = optimizer.init(params) (or TrainState.create(params, "
+        "optimizer, ...))"
+    )
 
 
 def _need_params(fn: str, params: Any, spec: Any) -> list[torch.Tensor]:
@@ -307,14 +354,74 @@ def _no_leaves(spec: Any, state: Any) -> tuple[Any, Any]:
     return optree.tree_unflatten(spec, []), state
 
 
-def _lr_at(lr: float | Schedule, count: torch.Tensor) -> float | torch.Tensor:
-    """The learning rate for the update after ``count`` applied ones."""
-    if not callable(lr):
-        return lr
+def _lr_value(lr: Schedule, count: torch.Tensor) -> float | torch.Tensor:
     value = lr(count)
     if isinstance(value, torch.Tensor):
         return value.to(torch.float32)
     return float(value)
+
+
+def _lr_valid(value: float | torch.Tensor) -> torch.Tensor | bool:
+    """Whether a scheduled rate is finite and >= 0 (a bool tensor for a tensor rate)."""
+    if isinstance(value, torch.Tensor):
+        return value.isfinite() & (value >= 0)
+    return math.isfinite(value) and value >= 0.0
+
+
+def _lr_at(lr: float | Schedule, count: torch.Tensor) -> float | torch.Tensor:
+    """The learning rate for the update after ``count`` applied ones.
+
+    A scheduled rate that is not finite or is negative is replaced by 0 (branch-free, no
+    host sync), so it can never put inf / NaN into the params; :func:`train_step` also
+    skips such a step (see :func:`schedule_ok`).
+    """
+    if not callable(lr):
+        return lr
+    value = _lr_value(lr, count)
+    ok = _lr_valid(value)
+    if isinstance(value, torch.Tensor):
+        return torch.where(ok, value, torch.zeros_like(value))
+    return value if ok else 0.0
+
+
+def _schedule_check(lr: float | Schedule) -> Callable[[Any], torch.Tensor] | None:
+    """``state -> whether the rate read at state.count is valid``, or None for a constant."""
+    if not callable(lr):
+        return None
+
+    def check(state: Any) -> torch.Tensor:
+        ok = _lr_valid(_lr_value(lr, state.count))
+        if isinstance(ok, torch.Tensor):
+            return ok.reshape(())
+        return torch.full((), ok, dtype=torch.bool, device=state.count.device)
+
+    return check
+
+
+def schedule_ok(optimizer: GradientTransformation, opt_state: Any) -> torch.Tensor | None:
+    """Whether the learning rates the next update reads from its schedules are usable.
+
+    A schedule (a callable ``lr``) may return inf, NaN or a negative rate; the optimizer
+    then uses 0 instead, and :func:`fmp.train_step` skips the step (params, optimizer state
+    and model state unchanged, ``metrics["skipped"]`` True while ``grads_finite`` is True,
+    ``metrics["lr_ok"]`` False). Nothing syncs the host.
+
+    Args:
+        optimizer: a :class:`GradientTransformation`.
+        opt_state: its state (``optimizer.init(params)`` or a later one).
+
+    Returns:
+        A 0-d bool tensor (True when every scheduled rate is finite and >= 0), or None
+        when the optimizer has no schedule.
+
+    Example:
+        >>> opt = fmp.optim.sgd(lambda count: 0.1 - 0.05 * count)
+        >>> s = opt.init({"w": torch.ones(1)})
+        >>> bool(fmp.optim.schedule_ok(opt, s)), fmp.optim.schedule_ok(fmp.optim.sgd(0.1), s)
+        (True, None)
+    """
+    check = getattr(optimizer, "schedule_ok", None)
+    return None if check is None else check(opt_state)
 
 
 def _add_scaled_(
@@ -325,6 +432,11 @@ def _add_scaled_(
         torch._foreach_add_(out, torch._foreach_mul(xs, coef))
     else:
         torch._foreach_add_(out, xs, alpha=coef)
+
+
+def _step_dtype(dts: list[torch.dtype]) -> torch.dtype:
+    """float64 for the step scalars (bias corrections) where a leaf computes in float64."""
+    return torch.float64 if torch.float64 in dts else torch.float32
 
 
 def _bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor | None:
@@ -348,14 +460,18 @@ def _adam_moments(
     amsgrad: bool,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
     """New (mu, nu, nu_max) in compute dtypes, torch's formulas (lerp, mul + addcmul)."""
-    mu = _cast(_flatten_like(state.mu, spec, "state.mu", "grads"), dts)
-    nu = _cast(_flatten_like(state.nu, spec, "state.nu", "grads"), dts)
+    mu = _cast(_state_leaves(state.mu, spec, "state.mu", g), dts)
+    nu = _cast(_state_leaves(state.nu, spec, "state.nu", g), dts)
     mu = torch._foreach_lerp(mu, g, 1.0 - b1)
     nu = torch._foreach_mul(nu, b2)
     torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
     nu_max = None
     if amsgrad:
-        old = _cast(_flatten_like(state.nu_max, spec, "state.nu_max", "grads"), dts)
+        if state.nu_max is None:
+            raise TypeError("the optimizer has amsgrad=True but its state has no nu_max (made "
+                            "by an optimizer with amsgrad=False); rebuild it with "
+                            "optimizer.init(params)")
+        old = _cast(_state_leaves(state.nu_max, spec, "state.nu_max", g), dts)
         nu_max = torch._foreach_maximum(old, nu)
     return mu, nu, nu_max
 
@@ -431,6 +547,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
                 f"apply_updates: leaf {i} must be a tensor in params and updates, got "
                 f"{type(a).__name__} and {type(b).__name__}"
             )
+    _check_shapes(u, p, spec, "updates", "param")
     dts = [torch.promote_types(a.dtype, b.dtype) for a, b in zip(p, u, strict=True)]
     out = torch._foreach_add(_cast(p, dts), _cast(u, dts))
     return optree.tree_unflatten(spec, _cast(out, [a.dtype for a in p]))
@@ -481,7 +598,15 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return grads, tuple(new_states)
 
-    return GradientTransformation(init, update)
+    checks = [(i, t.schedule_ok) for i, t in enumerate(transforms) if t.schedule_ok is not None]
+
+    def check(state: tuple[Any, ...]) -> torch.Tensor:
+        ok = checks[0][1](state[checks[0][0]])
+        for i, c in checks[1:]:
+            ok = ok & c(state[i])
+        return ok
+
+    return GradientTransformation(init, update, None, check if checks else None)
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -502,8 +627,8 @@ def scale(step_size: float) -> GradientTransformation:
         >>> u
         {'w': tensor([-2.])}
     """
-    if not _is_real(step_size):
-        raise ValueError(f"scale: invalid step_size {step_size!r}; accepted: a float")
+    if not _is_real(step_size) or not math.isfinite(step_size):  # type: ignore[arg-type]
+        raise ValueError(f"scale: invalid step_size {step_size!r}; accepted: a finite float")
     factor = float(step_size)
 
     def init(params: Any) -> EmptyState:
@@ -550,6 +675,8 @@ def scale_by_learning_rate(
         return EmptyState()
 
     def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        _expect_state("scale_by_learning_rate", state,
+                      ScaleByScheduleState if callable(lr) else EmptyState)
         g, spec = optree.tree_flatten(grads)
         if not g:
             return _no_leaves(spec, state)
@@ -561,7 +688,7 @@ def scale_by_learning_rate(
             factor = lr * sign
         return optree.tree_unflatten(spec, torch._foreach_mul(g, factor)), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, None, _schedule_check(lr))
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
@@ -589,7 +716,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         {'w': tensor([0.5000])}
     """
     wd = _check_range("add_decayed_weights", "weight_decay", weight_decay,
-                      accepted="a float >= 0")
+                      accepted="a finite float >= 0")
 
     def init(params: Any) -> EmptyState:
         return EmptyState()
@@ -647,10 +774,11 @@ def trace(
         return TraceState(_count(leaves), optree.tree_unflatten(spec, _zeros(leaves, sd)))
 
     def update(grads: Any, state: TraceState, params: Any = None) -> tuple[Any, TraceState]:
+        _expect_state("trace", state, TraceState)
         g, spec = optree.tree_flatten(grads)
         if not g:
             return _no_leaves(spec, state)
-        buf = _flatten_like(state.trace, spec, "state.trace", "grads")
+        buf = _state_leaves(state.trace, spec, "state.trace", g)
         dts = [_compute_dtype(x.dtype, sd) for x in g]
         out, new_buf = _momentum(_cast(g, dts), _cast(buf, dts), state.count, m, d, nesterov)
         new_buf = _cast(new_buf, [x.dtype for x in buf])
@@ -663,9 +791,9 @@ def trace(
 def _check_momentum(
     fn: str, momentum: object, dampening: object, nesterov: object, state_dtype: object
 ) -> tuple[float, float, torch.dtype | None]:
-    m = _check_range(fn, "momentum", momentum, accepted="a float >= 0")
-    if not _is_real(dampening) or math.isnan(dampening):  # type: ignore[arg-type]
-        raise ValueError(f"{fn}: invalid dampening {dampening!r}; accepted: a float")
+    m = _check_range(fn, "momentum", momentum, accepted="a finite float >= 0")
+    if not _is_real(dampening) or not math.isfinite(dampening):  # type: ignore[arg-type]
+        raise ValueError(f"{fn}: invalid dampening {dampening!r}; accepted: a finite float")
     d = float(dampening)  # type: ignore[arg-type]
     if not isinstance(nesterov, bool):
         raise ValueError(f"{fn}: invalid nesterov {nesterov!r}; accepted: True or False")
@@ -748,7 +876,7 @@ def sgd(
     """
     lr = _check_lr("sgd", lr)
     m, d, sd = _check_momentum("sgd", momentum, dampening, nesterov, state_dtype)
-    wd = _check_range("sgd", "weight_decay", weight_decay, accepted="a float >= 0")
+    wd = _check_range("sgd", "weight_decay", weight_decay, accepted="a finite float >= 0")
 
     def init(params: Any) -> SgdState:
         leaves, spec = _flatten_params("sgd", params)
@@ -756,6 +884,7 @@ def sgd(
         return SgdState(_count(leaves), buf)
 
     def update(grads: Any, state: SgdState, params: Any = None) -> tuple[Any, SgdState]:
+        _expect_state("sgd", state, SgdState)
         g, spec = optree.tree_flatten(grads)
         if not g:
             return _no_leaves(spec, state)
@@ -765,7 +894,11 @@ def sgd(
             g = torch._foreach_add(g, _cast(_need_params("sgd", params, spec), dts), alpha=wd)
         new_buf = None
         if m != 0.0:
-            buf = _flatten_like(state.momentum, spec, "state.momentum", "grads")
+            if state.momentum is None:
+                raise TypeError("sgd.update: this sgd has momentum but the state holds no "
+                                "momentum buffers (made by an sgd with momentum=0); rebuild "
+                                "it with optimizer.init(params)")
+            buf = _state_leaves(state.momentum, spec, "state.momentum", g)
             g, nb = _momentum(g, _cast(buf, dts), state.count, m, d, nesterov)
             new_buf = optree.tree_unflatten(spec, _cast(nb, [x.dtype for x in buf]))
         updates = torch._foreach_mul(g, -_lr_at(lr, state.count))
@@ -774,7 +907,7 @@ def sgd(
 
     fused = FusedSpec("sgd", momentum=m, dampening=d, nesterov=nesterov, wd=wd,
                       lr_at=lambda c: _lr_at(lr, c))
-    return GradientTransformation(init, update, fused)
+    return GradientTransformation(init, update, fused, _schedule_check(lr))
 
 
 def _adam_init(fn: str, sd: torch.dtype | None, amsgrad: bool) -> Callable[[Any], AdamState]:
@@ -804,8 +937,8 @@ def _adam_like(
 ) -> GradientTransformation:
     lr = _check_lr(fn, lr)
     b1, b2 = _check_betas(fn, betas)
-    eps = _check_range(fn, "epsilon value eps", eps, accepted="a float >= 0")
-    wd = _check_range(fn, "weight_decay", weight_decay, accepted="a float >= 0")
+    eps = _check_range(fn, "epsilon value eps", eps, accepted="a finite float >= 0")
+    wd = _check_range(fn, "weight_decay", weight_decay, accepted="a finite float >= 0")
     if not isinstance(amsgrad, bool):
         raise ValueError(f"{fn}: invalid amsgrad {amsgrad!r}; accepted: True or False")
     sd = _state_dtype(fn, state_dtype)
@@ -813,6 +946,7 @@ def _adam_like(
     init = _adam_init(fn, sd, amsgrad)
 
     def update(grads: Any, state: AdamState, params: Any = None) -> tuple[Any, AdamState]:
+        _expect_state(fn, state, AdamState)
         g, spec = optree.tree_flatten(grads)
         if not g:
             return _no_leaves(spec, state)
@@ -823,7 +957,7 @@ def _adam_like(
             g = torch._foreach_add(g, p, alpha=wd)
         lr_now = _lr_at(lr, state.count)
         count = _increment(state.count)
-        step = count.to(torch.float32)
+        step = count.to(_step_dtype(dts))
         mu, nu, nu_max = _adam_moments(g, state, spec, dts, b1, b2, amsgrad)
         updates = _adam_direction(mu, nu if nu_max is None else nu_max, step, b2, eps)
         bc1 = _bias_correction(b1, step)
@@ -836,7 +970,7 @@ def _adam_like(
 
     fused = FusedSpec("adamw" if decoupled else "adam", b1=b1, b2=b2, eps=eps, wd=wd,
                       amsgrad=amsgrad, lr_at=lambda c: _lr_at(lr, c))
-    return GradientTransformation(init, update, fused)
+    return GradientTransformation(init, update, fused, _schedule_check(lr))
 
 
 def adam(
@@ -966,7 +1100,7 @@ def scale_by_adam(
     """
     fn = "scale_by_adam"
     b1, b2 = _check_betas(fn, (b1, b2))
-    eps = _check_range(fn, "epsilon value eps", eps, accepted="a float >= 0")
+    eps = _check_range(fn, "epsilon value eps", eps, accepted="a finite float >= 0")
     if not isinstance(amsgrad, bool):
         raise ValueError(f"{fn}: invalid amsgrad {amsgrad!r}; accepted: True or False")
     sd = _state_dtype(fn, state_dtype)
@@ -974,13 +1108,14 @@ def scale_by_adam(
     init = _adam_init(fn, sd, amsgrad)
 
     def update(grads: Any, state: AdamState, params: Any = None) -> tuple[Any, AdamState]:
+        _expect_state(fn, state, AdamState)
         g, spec = optree.tree_flatten(grads)
         if not g:
             return _no_leaves(spec, state)
         dts = [_compute_dtype(x.dtype, sd) for x in g]
         g = _cast(g, dts)
         count = _increment(state.count)
-        step = count.to(torch.float32)
+        step = count.to(_step_dtype(dts))
         mu, nu, nu_max = _adam_moments(g, state, spec, dts, b1, b2, amsgrad)
         updates = _adam_direction(mu, nu if nu_max is None else nu_max, step, b2, eps)
         bc1 = _bias_correction(b1, step)

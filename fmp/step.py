@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fmp._batch_cast import CastBatch, cast_batch_args, check_cast_batch, warn_cast_overflow
+from fmp._checks import check_loss_scale, check_param_policies
 from fmp._compute_copy import current_copy, stamp
 from fmp._fused import (
     check_and_unscale_owned_,
@@ -19,7 +21,7 @@ from fmp._fused import (
 )
 from fmp._grad import grad_with_aux
 from fmp.loss_scale import NoOpLossScale
-from fmp.optim import GradientTransformation, apply_updates
+from fmp.optim import GradientTransformation, apply_updates, schedule_ok
 from fmp.policy import Policy, cast_params, get_policy
 from fmp.tree import all_finite, floating_leaves, select_tree
 
@@ -94,6 +96,44 @@ class TrainState(NamedTuple):
             skipped_total=torch.zeros((), dtype=torch.int32, device=device),
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state as a nested dict of tensors and plain values (:mod:`fmp.checkpoint`).
+
+        Returns:
+            A dict for ``torch.save`` or ``torch.distributed.checkpoint``; its tensors are
+            this state's own. ``compute_params`` is left out (the next step rebuilds it).
+
+        Example:
+            >>> s = fmp.TrainState.create({"w": torch.ones(2)}, fmp.optim.sgd(0.1))
+            >>> sorted(s.state_dict()["params"])
+            ['w']
+        """
+        from fmp.checkpoint import state_dict
+
+        return state_dict(self)
+
+    @classmethod
+    def from_state_dict(cls, d: Mapping[str, Any]) -> TrainState:
+        """Rebuild a state from :meth:`state_dict`'s output, exactly (:mod:`fmp.checkpoint`).
+
+        Args:
+            d: the state dict (e.g. ``torch.load(path)``, or one DCP loaded into).
+
+        Returns:
+            The :class:`TrainState` holding ``d``'s tensors.
+
+        Raises:
+            ValueError: ``d`` is not a TrainState state dict.
+
+        Example:
+            >>> s = fmp.TrainState.create({"w": torch.ones(2)}, fmp.optim.adam())
+            >>> int(fmp.TrainState.from_state_dict(s.state_dict()).step)
+            0
+        """
+        from fmp.checkpoint import from_state_dict
+
+        return from_state_dict(d)
+
 
 class _Phases(NamedTuple):
     """A train step's parts, for :func:`fmp.compile` to compile separately."""
@@ -126,6 +166,7 @@ def value_and_grad(
     has_aux: bool = False,
     autocast: bool = False,
     param_policies: Mapping[str, Policy] | None = None,
+    cast_batch: CastBatch = True,
 ) -> Callable[..., tuple[Any, Any, torch.Tensor]]:
     """Loss, unscaled grads and a finite flag, computed under a mixed-precision policy.
 
@@ -149,6 +190,10 @@ def value_and_grad(
         autocast: also run ``loss_fn`` under ``torch.autocast`` at the compute dtype.
         param_policies: per-parameter policies (from :func:`fmp.module_policies`) for the
             compute cast of a params dict; inputs still follow ``policy``.
+        cast_batch: which arguments' floating leaves are cast to the compute dtype: True
+            (all), False (none), or one bool per positional argument (keyword arguments
+            are cast unless it is False). The first call warns when the cast turns a
+            finite value into inf (e.g. a float16 target above 65504).
 
     Returns:
         ``fn(params, loss_scale, *args, **kwargs) -> (loss, grads, finite)``, or
@@ -158,6 +203,8 @@ def value_and_grad(
     Raises:
         ValueError: (when called) ``loss_fn`` returned something other than a 0-d floating
             tensor as its loss; the policy spec is bad (at once).
+        TypeError: ``param_policies`` is not a dict of :class:`fmp.Policy` (at once);
+            (when called) ``loss_scale`` is not a loss-scale record (None, a float).
 
     Example:
         >>> vg = fmp.value_and_grad(lambda p, x: (p["w"] * x).sum(), "bf16-mixed")
@@ -165,10 +212,18 @@ def value_and_grad(
         >>> grads["w"].dtype, bool(finite)
         (torch.float32, True)
     """
-    scaled_loss = _scaled_loss_fn(loss_fn, get_policy(policy), has_aux, autocast,
-                                  param_policies)
+    check_param_policies(param_policies, "value_and_grad")
+    pol = get_policy(policy)
+    cast_batch = check_cast_batch(cast_batch)
+    scaled_loss = _scaled_loss_fn(loss_fn, pol, has_aux, autocast, param_policies, cast_batch)
+    first = [True]
 
     def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
+        check_loss_scale(loss_scale, "value_and_grad")
+        if first[0] and not torch.compiler.is_compiling():
+            first[0] = False
+            warn_cast_overflow(args, kwargs, pol.compute_dtype, cast_batch,
+                               "fmp.value_and_grad")
         grads, (loss, aux) = grad_with_aux(
             lambda p: scaled_loss(p, loss_scale, (), args, kwargs, True), params)
         grads = loss_scale.unscale(grads)
@@ -187,7 +242,8 @@ def _param_caster(pol: Policy, param_policies: Mapping[str, Policy] | None
 
 
 def _scaled_loss_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, autocast: bool,
-                    param_policies: Mapping[str, Policy] | None) -> Callable[..., Any]:
+                    param_policies: Mapping[str, Policy] | None,
+                    cast_batch: CastBatch = True) -> Callable[..., Any]:
     """``f(params, loss_scale, lead, args, kwargs, cast) -> (scaled_loss, (loss32, aux))``.
 
     ``lead`` is passed to ``loss_fn`` before the batch and is not cast (model state);
@@ -198,7 +254,7 @@ def _scaled_loss_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, aut
     def scaled_loss(p: Any, loss_scale: Any, lead: tuple[Any, ...], args: tuple[Any, ...],
                     kwargs: dict[str, Any], cast: bool):
         cp = cast_p(p) if cast else p
-        cargs, ckwargs = pol.cast_to_compute((args, kwargs))
+        cargs, ckwargs = cast_batch_args(args, kwargs, pol.compute_dtype, cast_batch)
         with _autocast_ctx(p, pol.compute_dtype, autocast):
             out = loss_fn(cp, *lead, *cargs, **ckwargs)
         if has_aux:
@@ -254,6 +310,21 @@ def _split_batch(batch: tuple[Any, ...], k: int) -> list[tuple[Any, ...]]:
         else:
             chunks.append((x,) * k)
     return [optree.tree_unflatten(spec, [c[j] for c in chunks]) for j in range(k)]
+
+
+def _stack_aux(auxes: list[Any]) -> Any:
+    """The k micro-batches' aux values as one: tensor leaves stacked along a new dim 0 (in
+    micro-batch order), other leaves as a tuple of the k values."""
+    leaves0, spec = optree.tree_flatten(auxes[0])
+    rows = [spec.flatten_up_to(a) for a in auxes[1:]]
+    out = []
+    for i, x in enumerate(leaves0):
+        column = [x] + [r[i] for r in rows]
+        if isinstance(x, torch.Tensor):
+            out.append(torch.stack(column))
+        else:
+            out.append(tuple(column))
+    return optree.tree_unflatten(spec, out)
 
 
 def _device_of(tree: Any) -> torch.device:
@@ -330,6 +401,7 @@ def train_step(
     autocast: bool = False,
     param_policies: Mapping[str, Policy] | None = None,
     compute_copy: bool = True,
+    cast_batch: CastBatch = True,
 ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
     """Build ``step(state, *batch) -> (new_state, metrics)``: one skip-safe update.
 
@@ -362,6 +434,9 @@ def train_step(
             agreed (:func:`fmp.distributed.all_finite`), so every rank skips together. The
             reported loss is the local one. None: single process.
         has_aux: ``loss_fn`` also returns an auxiliary value, returned as ``metrics["aux"]``.
+            With ``accumulate=k > 1`` it holds all k micro-batches' values, in order: each
+            tensor leaf stacked along a new leading dim of size k (``aux["acc"].mean()`` is
+            the batch's), each other leaf a tuple of the k values.
         has_state: ``loss_fn`` takes and returns model state (``TrainState.model_state``);
             a skipped step keeps the old model state.
         autocast: also run ``loss_fn`` under ``torch.autocast`` at the compute dtype.
@@ -377,17 +452,27 @@ def train_step(
             counters do not see: then pass ``state._replace(compute_params=None)``). Steps
             traced whole by ``torch.compile`` or run inside a torch.func transform cast
             every step and return ``compute_params=None``. False: always cast.
+        cast_batch: which batch arguments' floating leaves are cast to the compute dtype:
+            True (all), False (none) or one bool per positional batch argument, e.g.
+            ``(True, False)`` to cast ``x`` and keep a float32 target ``y`` as it is. The
+            first eager call warns (``RuntimeWarning``) when the cast turns a finite
+            value into inf (a float16 target of 70000: every such step would be skipped).
 
     Returns:
         ``step(state, *batch) -> (new_state, metrics)``; ``metrics`` is a dict of tensors:
         ``loss`` (unscaled float32, mean over micro-batches), ``grads_finite`` (bool),
         ``skipped`` (bool), ``loss_scale`` (float32, the scale after this step's
-        adjustment), ``skipped_total`` (int32), and ``aux`` with ``has_aux``.
+        adjustment), ``skipped_total`` (int32), and ``aux`` with ``has_aux``; with a
+        learning-rate schedule also ``lr_ok`` (bool): False when the scheduled rate was inf,
+        NaN or negative, and the step was then skipped (:func:`fmp.optim.schedule_ok`).
 
     Raises:
-        ValueError: ``accumulate`` is not a positive int; a batch's leading size is not
-            divisible by ``accumulate`` (when called).
-        TypeError: ``optimizer`` is not a GradientTransformation.
+        ValueError: ``accumulate`` is not a positive int; ``cast_batch`` is not a bool or a
+            sequence of bools; a batch's leading size is not divisible by ``accumulate``,
+            or ``cast_batch`` has not one entry per batch argument (when called).
+        TypeError: ``optimizer`` is not a GradientTransformation; ``param_policies`` is
+            not a dict of :class:`fmp.Policy`; (when called) the optimizer state was made by
+            another optimizer.
         RuntimeError: ``process_group`` is given but torch.distributed is not initialised.
 
     Example:
@@ -405,6 +490,7 @@ def train_step(
                         f"{type(optimizer).__name__}")
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
+    check_param_policies(param_policies, "train_step")
     reduce_grads = grads_finite = None
     if process_group is not None:
         from fmp import distributed as dist_
@@ -418,6 +504,8 @@ def train_step(
         def grads_finite(g: Any) -> torch.Tensor:
             return dist_.all_finite(g, group=group)
     pol = get_policy(policy)
+    cast_batch = check_cast_batch(cast_batch)
+    first_call = [True]
 
     def split_out(out: Any) -> tuple[Any, Any, Any]:
         """-> (loss, new_model_state, aux) from loss_fn's return value."""
@@ -444,7 +532,7 @@ def train_step(
         loss, new_ms, a = split_out(loss_fn(p, *rest))
         return loss, (new_ms, a)
 
-    scaled_loss = _scaled_loss_fn(wrapped, pol, True, autocast, param_policies)
+    scaled_loss = _scaled_loss_fn(wrapped, pol, True, autocast, param_policies, cast_batch)
     cast_p = _param_caster(pol, param_policies)
     # params are checked to be in their param dtypes, so whether the cast changes any of
     # them is known now: where it changes none there is no copy to keep or check
@@ -460,6 +548,7 @@ def train_step(
         grad_sum: Any = None
         loss_sum: Any = None
         aux = None
+        auxes = []
         for mb in micro:
             lead = (model_state,) if has_state else ()
             grads, (loss, (new_ms, aux)) = grad_with_aux(
@@ -468,6 +557,7 @@ def train_step(
                 state.params if copy is None else copy)
             if has_state:
                 model_state = new_ms
+            auxes.append(aux)
             if accumulate == 1:
                 grad_sum, loss_sum = grads, loss
             else:
@@ -477,6 +567,8 @@ def train_step(
                 grad_sum = g32 if grad_sum is None else optree.tree_map(torch.add, grad_sum, g32)
                 loss_sum = loss if loss_sum is None else loss_sum + loss
         loss = loss_sum if accumulate == 1 else loss_sum * (1.0 / accumulate)
+        if has_aux and accumulate > 1:
+            aux = _stack_aux(auxes)
         return grad_sum, loss, aux, model_state
 
     def update_phase(state: TrainState, batch: tuple[Any, ...], grad_sum: Any, loss: Any,
@@ -484,6 +576,7 @@ def train_step(
         """Unscale, check, update (or skip), adjust the scale: the rest of the step."""
         if state.compute_params is not None and accumulate == 1:
             grad_sum = _to_param_dtypes(grad_sum, state.params)
+        lr_ok = schedule_ok(optimizer, state.opt_state)  # a scheduled lr of inf/NaN/< 0 skips
         if donate and fused_supported(optimizer.fused, state.params, grad_sum, state.opt_state):
             # One in-place pass unscales and checks the step's own grads (where the amp kernel
             # cannot, a read-only check and the fused kernel divides by the scale); torch's
@@ -496,6 +589,7 @@ def train_step(
             if finite is None:
                 divisor = _grad_divisor(state.loss_scale, accumulate, grads)
                 finite = all_finite(grads) if grads_finite is None else grads_finite(grads)
+            grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             opt_state = fused_step_(optimizer.fused, state.params, grads, state.opt_state,
                                     divisor, (~finite).to(torch.float32))
             params = state.params
@@ -514,6 +608,7 @@ def train_step(
                     finite = grads_finite(grads)
                 else:
                     finite = all_finite(grads)
+            grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
             new_params = apply_updates(state.params, updates)
             params = select_tree(finite, new_params, state.params)
@@ -528,7 +623,7 @@ def train_step(
         copy = state.compute_params
         if copy is not None:  # the next step's forward reads this instead of casting
             copy = _donate_into(copy, params) if donate else cast_p(params)
-        loss_scale = state.loss_scale.adjust(finite)
+        loss_scale = state.loss_scale.adjust(grads_ok)
         skipped = ~finite
         prev_skipped = state.skipped_total
         if prev_skipped is None:
@@ -537,8 +632,10 @@ def train_step(
         new_state = TrainState(params=params, opt_state=opt_state, loss_scale=loss_scale,
                                step=state.step + 1, model_state=model_state,
                                skipped_total=skipped_total, compute_params=copy)
-        metrics = {"loss": loss, "grads_finite": finite, "skipped": skipped,
+        metrics = {"loss": loss, "grads_finite": grads_ok, "skipped": skipped,
                    "loss_scale": loss_scale.loss_scale, "skipped_total": skipped_total}
+        if lr_ok is not None:
+            metrics["lr_ok"] = lr_ok
         if has_aux:
             metrics["aux"] = aux
         return new_state, metrics
@@ -548,6 +645,9 @@ def train_step(
         """The step, with the scaled loss and the update phase given (fmp.compile passes
         compiled ones)."""
         _check_param_dtypes(state.params, pol, param_policies)
+        if first_call[0] and not torch.compiler.is_compiling():
+            first_call[0] = False
+            warn_cast_overflow(batch, {}, pol.compute_dtype, cast_batch, "fmp.train_step")
         state = prepare(state)
         new_state, metrics = update_impl(state, batch, *grad_phase(state, batch, loss_impl))
         if state.compute_params is not None:

@@ -55,29 +55,71 @@ def floating_leaves(tree: Any) -> list[torch.Tensor]:
             and x.is_floating_point()]
 
 
+def _complex_error(tree: Any) -> TypeError:
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    name = next(".".join(map(str, p)) or "<root>" for p, x in zip(paths, leaves, strict=True)
+                if isinstance(x, torch.Tensor) and x.is_complex())
+    dt = next(x.dtype for x in leaves if isinstance(x, torch.Tensor) and x.is_complex())
+    return TypeError(
+        f"all_finite: leaf {name!r} is a {dt} tensor; fmp does not support complex params or "
+        "grads (loss scaling, casts and the optimizers handle real floating tensors only, "
+        "and a complex leaf must not be left out of the finite check). Keep a complex "
+        "parameter as a real tensor with a trailing dimension of 2 (torch.view_as_real / "
+        "torch.view_as_complex inside the model)"
+    )
+
+
 def all_finite(tree: Any) -> torch.Tensor:
     """Whether every floating-point tensor leaf of ``tree`` is free of inf and NaN.
 
     One multi-tensor reduction (``torch._foreach_norm`` with ord=inf, which propagates
     NaN and inf), then one reduction over the per-tensor results. It never calls
     ``.item()``, so it does not synchronise the host and can be traced by
-    ``torch.compile(fullgraph=True)`` and captured in a CUDA graph.
+    ``torch.compile(fullgraph=True)`` and captured in a CUDA graph. float64 leaves are
+    reduced in float64 (a finite float64 value beyond float32's range is finite);
+    zero-element leaves hold no value and are finite.
 
     Args:
-        tree: any pytree; non-floating leaves are ignored.
+        tree: any pytree; integer, bool and non-tensor leaves are ignored.
 
     Returns:
         A 0-d bool tensor on the leaves' device (CPU for a tree with no floating
         leaves, and then True).
 
+    Raises:
+        TypeError: a leaf is a complex tensor (fmp supports real floating dtypes only; the
+            message names the leaf).
+
     Example:
         >>> fmp.all_finite({"a": torch.ones(3), "b": torch.tensor([float("nan")])})
         tensor(False)
     """
-    leaves = floating_leaves(tree)
+    all_leaves = optree.tree_leaves(tree)
+    leaves = [x for x in all_leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if len(leaves) != len(all_leaves) and any(
+            isinstance(x, torch.Tensor) and x.is_complex() for x in all_leaves):
+        raise _complex_error(tree)
     if not leaves:
         return torch.ones((), dtype=torch.bool)
     device = leaves[0].device
+    if any(x.numel() == 0 for x in leaves):  # no identity for an empty inf-norm
+        leaves = [x for x in leaves if x.numel() != 0]
+        if not leaves:
+            return torch.ones((), dtype=torch.bool, device=device)
+    wide = [x for x in leaves if x.dtype == torch.float64]
+    if wide:  # the float32 accumulation of _foreach_norm refuses to narrow float64
+        leaves = [x for x in leaves if x.dtype != torch.float64]
+        ok = torch.stack([_on(n, device) for n in torch._foreach_norm(wide, float("inf"))]
+                         ).isfinite().all()
+        return ok if not leaves else ok & _norms_finite(leaves, device)
+    return _norms_finite(leaves, device)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
+
+
+def _norms_finite(leaves: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     norms = torch._foreach_norm(leaves, float("inf"), dtype=torch.float32)
     if any(n.device != device for n in norms):
         norms = [n.to(device) for n in norms]
@@ -100,7 +142,8 @@ def select_tree(pred: torch.Tensor, on_true: T, on_false: T) -> T:
 
     Raises:
         ValueError: ``pred`` is not a 0-d bool tensor, or the trees differ in structure
-            (the message shows both structures) or in a non-tensor leaf.
+            (the message shows both structures), in a leaf's shape (the message names the
+            leaf) or in a non-tensor leaf.
 
     Example:
         >>> fmp.select_tree(torch.tensor(False), {"w": torch.ones(2)}, {"w": torch.zeros(2)})
@@ -126,6 +169,13 @@ def select_tree(pred: torch.Tensor, on_true: T, on_false: T) -> T:
     out = []
     for i, (a, b) in enumerate(zip(leaves_t, leaves_f, strict=True)):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape:  # torch.where would broadcast them into a new shape
+                name = ".".join(map(str, spec_t.paths()[i])) or "<root>"
+                raise ValueError(
+                    f"select_tree: leaf {name!r} has shape {tuple(a.shape)} in on_true and "
+                    f"{tuple(b.shape)} in on_false; each leaf must have one shape in both "
+                    "trees (a state whose params changed shape needs a new optimizer state)"
+                )
             out.append(torch.where(pred, a, b.to(a.dtype) if b.dtype != a.dtype else b))
         elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
             raise ValueError(

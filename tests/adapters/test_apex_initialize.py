@@ -67,7 +67,8 @@ def test_presets(level, wdtype, bndtype, masters, scale):
     assert amp.loss_scale() == scale
     assert amp.loss_scalers[0].dynamic == (scale == 65536.0)
     out = m(torch.randn(5, 4))
-    assert out.dtype == F32
+    # [amp14a] O1/O4: the output of the last half op stays half, as in Apex
+    assert out.dtype == {"O1": F16, "O4": BF16}.get(level, F32)
     assert {v.dtype for v in m.state_dict().values() if v.is_floating_point()} == {F32}
 
 
@@ -121,14 +122,14 @@ def test_o1_casts_nothing_and_autocasts_the_forward():
     m = torch.nn.Sequential(torch.nn.Linear(4, 3))
     seen = []
     m[0].register_forward_hook(lambda mod, i, out: seen.append(out.dtype))
-    amp.initialize(m, opt_level="O1", verbosity=0)
-    assert m[0].weight.dtype == F32
-    out = m(torch.randn(2, 4))  # no amp.autocast(): the wrapped forward autocasts
-    assert seen == [F16] and out.dtype == F32
-    amp2 = Amp()
+    amp2 = Amp()  # [amp14a] first: the O1 casts of `amp` below stay on in this thread
     m2 = torch.nn.Linear(4, 3)
     amp2.initialize(m2, opt_level="O1", patch_torch_functions=False, verbosity=0)
     assert m2(torch.randn(2, 4)).dtype == F32 and "forward" not in m2.__dict__
+    amp.initialize(m, opt_level="O1", verbosity=0)
+    assert m[0].weight.dtype == F32
+    out = m(torch.randn(2, 4))  # no amp.autocast(): the O1 casts are on after initialize
+    assert seen == [F16] and out.dtype == F16  # [amp14a] output stays half, as in Apex
 
 
 def test_o2_forward_casts_inputs_and_deepcopy_keeps_working():

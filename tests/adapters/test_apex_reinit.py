@@ -109,7 +109,7 @@ def test_same_objects_again_same_level_returned_unchanged(caplog):
     fwd, groups, rec = m.forward, [list(g["params"]) for g in o.param_groups], o._amp_stash
     with caplog.at_level(logging.WARNING, logger="adapters.apex"):
         m2, o2 = amp.initialize(m, o, opt_level="O2", verbosity=0)  # the cell run twice
-    assert m2 is m and o2 is o and m.forward is fwd and o._amp_stash is rec
+    assert m2 is m and o2 is o and m.forward == fwd and o._amp_stash is rec
     assert [list(g["params"]) for g in o.param_groups] == groups
     assert "returned unchanged" in caplog.text
     for x in xs[1:]:
@@ -129,7 +129,7 @@ def test_same_objects_again_other_level_raises_and_changes_nothing(what):
     args = (m, o_new) if what == "model" else (m_new, o)
     with pytest.raises(AmpError, match=r"already initialized.*opt_level: 'O1' -> 'O2'"):
         amp.initialize(*args, opt_level="O2", verbosity=0)
-    assert m.forward is fwd and o._amp_stash is rec and amp.properties.opt_level == "O1"
+    assert m.forward == fwd and o._amp_stash is rec and amp.properties.opt_level == "O1"
     assert all(torch.equal(a, b) for a, b in zip(params(m), before, strict=True))
     # the new objects of the failed call were left alone too
     assert not hasattr(o_new, "_amp_stash") and m_new[0].weight.dtype == F32

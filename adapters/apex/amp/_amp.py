@@ -12,7 +12,8 @@ import torch
 
 import fmp
 import fmp.distributed as fd
-from adapters.apex.amp._casts import Kind, cast_function, disable_casts
+from adapters.apex.amp import _o1_install as _o1  # [amp14a]
+from adapters.apex.amp._casts import Kind, cast_function
 from adapters.apex.amp._errors import AmpError
 from adapters.apex.amp._log import LOGGER, RateLimitedLog
 from adapters.apex.amp._model import (
@@ -80,7 +81,7 @@ class Amp:
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
         >>> with amp.autocast():
-        ...     loss = model(torch.ones(3, 4)).mean()
+        ...     loss = model(torch.ones(3, 4)).float().mean()
         >>> with amp.scale_loss(loss, opt) as scaled_loss:
         ...     scaled_loss.backward()
         >>> opt.step()
@@ -282,9 +283,9 @@ class Amp:
         for scaler, values in loads:
             scaler.apply_state(*values)
         self._pending_state = None
-        if props.patch_torch_functions:
-            for entry in self._registry:
-                self._patch(*entry)
+        if props.patch_torch_functions:  # [amp14a] Apex's O1 casts: a torch function mode
+            _o1.activate(self, props.autocast_dtype, session.device_type(), self._registry,
+                         new_opts, verbose=log.verbosity == 2)
         return result()
 
     def _classify(self, models: list[torch.nn.Module], opts: list[torch.optim.Optimizer],
@@ -391,10 +392,8 @@ class Amp:
             register_fp32_state_dict(model)
             policy = fmp.Policy(dt, dt, out_dtype)
             model.forward = WrappedForward(model, inner, policy, True, True)
-        elif props.patch_torch_functions:
-            policy = fmp.Policy(torch.float32, props.autocast_dtype, out_dtype)
-            model.forward = WrappedForward(model, inner, policy, False, True,
-                                           autocast_dtype=props.autocast_dtype)
+        # [amp14a] O1/O4: no forward wrapper (the O1 mode casts); outputs cast only when
+        # cast_model_outputs is given, as in Apex
         elif props.cast_model_outputs is not None:
             policy = fmp.Policy(torch.float32, torch.float32, out_dtype)
             model.forward = WrappedForward(model, inner, policy, False, True)
@@ -593,10 +592,10 @@ class Amp:
         self._require("amp.autocast")
         props = self.properties
         if not enabled:
-            return torch.autocast(self._device_type(), enabled=False)
+            return _o1.no_casts(self._device_type())  # [amp14a]
         if not self.enabled or props is None or not props.patch_torch_functions:
             return contextlib.nullcontext()
-        return torch.autocast(self._device_type(), dtype=props.autocast_dtype)
+        return _o1.casts_on()  # [amp14a] the O1 mode casts (on already, unless disabled)
 
     def disable_casts(self) -> contextlib.AbstractContextManager[Any]:
         """A context in which autocast's casts are off (Apex's ``amp.disable_casts()``).
@@ -611,7 +610,7 @@ class Amp:
             ...     torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
             torch.float32
         """
-        return disable_casts(self._device_type())
+        return _o1.no_casts(self._device_type())  # [amp14a]
 
     @staticmethod
     def half_function(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -670,10 +669,7 @@ class Amp:
     def _register(self, module: Any, name: str, kind: Kind) -> None:
         if not hasattr(module, name):
             raise AmpError(f"no function named {name!r} in {module!r}")
-        self._registry.append((module, name, kind))
-        if self.initialized and self.enabled and self.properties is not None and \
-                self.properties.patch_torch_functions:
-            self._patch(module, name, kind)
+        _o1.register(self, self._registry, module, name, kind)  # [amp14a]
 
     @staticmethod
     def _patch(module: Any, name: str, kind: Kind) -> None:

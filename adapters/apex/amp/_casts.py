@@ -71,6 +71,11 @@ def cast_function(fn: Callable[..., Any], kind: Kind) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from adapters.apex.amp import _o1_install  # [amp14a] the O1 mode's casts
+
+        if _o1_install.active_low_dtype() is not None:
+            return _o1_install.call_cast(fn, kind, getattr(fn, "__name__", "function"),
+                                         args, kwargs)
         device_type = _active(_device_type((args, kwargs)))
         if device_type is None:
             return fn(*args, **kwargs)

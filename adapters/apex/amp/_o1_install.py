@@ -1,0 +1,284 @@
+"""Installing the O1 mode (:class:`~adapters.apex.amp._o1_mode.O1Mode`) and the hooks on it.
+
+One mode at a time, as Apex had one handle: it sits at the bottom of this thread's torch
+function mode stack (above torch's ``DeviceContext``), so ``with`` blocks of other modes
+entered before or after it push and pop around it. Its owner (an ``Amp``, or the handle
+of ``amp.init``) holds the ``register_*_function`` registrations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from adapters.apex.amp._o1_mode import O1Mode, _rules, _types
+
+__all__ = ["activate", "current", "install", "no_casts", "register", "uninstall"]
+
+_CURRENT: O1Mode | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# installing the mode on the stack
+# ---------------------------------------------------------------------------------------
+def _stack_ops() -> tuple[Any, Any, Any] | None:
+    c = torch._C
+    ops = (getattr(c, "_len_torch_function_stack", None),
+           getattr(c, "_pop_torch_function_stack", None),
+           getattr(c, "_push_on_torch_function_stack", None))
+    return ops if all(ops) else None  # type: ignore[return-value]
+
+
+def _rebuild(keep: Callable[[Any], bool], insert: Any = None) -> None:
+    """Rebuild this thread's mode stack without the modes ``keep`` rejects, ``insert``
+    placed at the bottom (above torch's DeviceContext, which must stay lowest)."""
+    ops = _stack_ops()
+    if ops is None:  # pragma: no cover - very old or very new torch: plain push/pop
+        if insert is not None:
+            insert.__enter__()
+        return
+    length, pop, push = ops
+    stack = [pop() for _ in range(length())][::-1]  # bottom first
+    stack = [m for m in stack if keep(m)]
+    if insert is not None:
+        from torch.utils._device import DeviceContext
+
+        at = 1 if stack and isinstance(stack[0], DeviceContext) else 0
+        stack.insert(at, insert)
+    for m in stack:
+        push(m)
+
+
+def current() -> O1Mode | None:
+    """The installed O1 mode, or None.
+
+    Example:
+        >>> current() is None or isinstance(current(), O1Mode)
+        True
+    """
+    return _CURRENT
+
+
+def install(mode: O1Mode) -> O1Mode:
+    """Install ``mode`` (replacing the one installed before, whose patches are undone).
+
+    Args:
+        mode: the mode.
+
+    Returns:
+        ``mode``.
+
+    Example:
+        >>> m = install(O1Mode(torch.float16, "cpu"))
+        >>> torch.mm(torch.ones(1, 1), torch.ones(1, 1)).dtype
+        torch.float16
+        >>> uninstall()
+    """
+    global _CURRENT
+    uninstall()
+    _rebuild(lambda m: not isinstance(m, O1Mode), mode)
+    _CURRENT = mode
+    return mode
+
+
+def uninstall() -> None:
+    """Remove the installed O1 mode (if any) and undo its in-place wrappers.
+
+    Example:
+        >>> uninstall(); current() is None
+        True
+    """
+    global _CURRENT
+    mode, _CURRENT = _CURRENT, None
+    _rebuild(lambda m: not isinstance(m, O1Mode))
+    if mode is not None:
+        for owner, name, fn in reversed(mode.patches):
+            setattr(owner, name, fn)
+        mode.patches.clear()
+        mode.clear_cache()
+
+
+# ---------------------------------------------------------------------------------------
+# user registrations and decorators
+# ---------------------------------------------------------------------------------------
+_NAMESPACES = (torch, F, torch.Tensor, torch.nn.functional)
+
+
+def cast_args(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              name: str) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The arguments cast by rule ``kind`` under the installed mode; None when it is off.
+
+    Example:
+        >>> cast_args("half", (torch.ones(1),), {}, "f") is None or True
+        True
+    """
+    m = _CURRENT
+    if m is None or not m.active:
+        return None
+    if kind == "half":
+        return m.half_args(args, kwargs, name)
+    if kind == "float" or m._mixed(_types(args, kwargs)):
+        return m.float_args(args, kwargs, name)
+    return args, kwargs
+
+
+def call_cast(fn: Any, kind: str, name: str, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Any:
+    """Call ``fn`` on the arguments cast by rule ``kind`` (unchanged when no mode is on).
+
+    A torch function that has a rule of its own runs with the casts off (Apex wrapped the
+    original, unpatched function); any other function runs with them on.
+
+    Example:
+        >>> call_cast(torch.mm, "float", "mm", (torch.ones(1, 1), torch.ones(1, 1)), {}).dtype
+        torch.float32
+    """
+    cast = cast_args(kind, args, kwargs, name)
+    if cast is None:
+        return fn(*args, **kwargs)
+    m = _CURRENT
+    assert m is not None
+    try:
+        own = fn in m.user_rules or fn in _rules()
+    except TypeError:  # an unhashable callable
+        own = False
+    if not own:
+        return fn(*cast[0], **cast[1])
+    with m.casts(False), torch.autocast(m.device_type, enabled=False):
+        return fn(*cast[0], **cast[1])
+
+
+def _wrap(mode: O1Mode, fn: Any, kind: str, name: str) -> Any:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return call_cast(fn, kind, name, args, kwargs)
+
+    wrapper._amp_cast_kind = kind  # type: ignore[attr-defined]
+    return wrapper
+
+
+def apply_registration(mode: O1Mode, owner: Any, name: str, kind: str) -> None:
+    """Make ``owner.name`` follow rule ``kind`` (``half``/``float``/``promote``) under ``mode``.
+
+    A function of ``torch``, ``torch.nn.functional`` or ``torch.Tensor`` becomes a rule of
+    the mode; anything else is replaced by a casting wrapper (undone by :func:`uninstall`).
+
+    Example:
+        >>> m = O1Mode(torch.float16, "cpu")
+        >>> apply_registration(m, torch, "sigmoid", "float")
+        >>> with m:
+        ...     torch.sigmoid(torch.ones(1, dtype=torch.float16)).dtype
+        torch.float32
+    """
+    fn = getattr(owner, name)
+    if getattr(fn, "_amp_cast_kind", None) is not None:
+        return
+    if any(owner is ns for ns in _NAMESPACES) and (
+            isinstance(fn, type(torch.mm) | type(torch.Tensor.mm))
+            or getattr(fn, "__module__", "").startswith("torch")):
+        mode.user_rules[fn] = (kind, name)
+        return
+    mode.patches.append((owner, name, fn))
+    setattr(owner, name, _wrap(mode, fn, kind, name))
+
+
+def _no_casts_in_step(optimizer: Any) -> None:
+    """Run ``optimizer.step`` with the casts off and the cache dropped (as Apex did)."""
+    if getattr(optimizer, "_amp_o1_step", False):
+        return
+    inner = optimizer.step
+
+    @functools.wraps(inner)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        m = _CURRENT
+        if m is None:
+            return inner(*args, **kwargs)
+        m.clear_cache()
+        with m.casts(False):
+            return inner(*args, **kwargs)
+
+    optimizer.step = step
+    optimizer._amp_o1_step = True
+
+
+def activate(owner: Any, low: torch.dtype, device_type: str, registry: list[Any],
+             optimizers: list[Any], verbose: bool = False) -> O1Mode:
+    """Install (or update) the O1 mode of ``owner`` (an ``Amp``) for an O1/O4 initialize.
+
+    Args:
+        owner: the object the mode belongs to; another owner's mode is replaced.
+        low: float16 (O1) or bfloat16 (O4).
+        device_type: the model's device type (the tensors that get cast).
+        registry: the owner's ``(module, name, kind)`` registrations to apply.
+        optimizers: their ``step`` runs with the casts off.
+        verbose: print every cast.
+
+    Returns:
+        The installed mode.
+
+    Example:
+        >>> class Owner: pass
+        >>> m = activate(Owner(), torch.bfloat16, "cpu", [], [])
+        >>> (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.bfloat16
+        >>> uninstall()
+    """
+    m = _CURRENT
+    if m is None or getattr(m, "owner", None) is not owner:
+        m = O1Mode(low, device_type, verbose=verbose)
+        m.owner = owner
+        install(m)
+    m.low, m.device_type, m.verbose = low, device_type, verbose
+    m.clear_cache()
+    for module, name, kind in registry:
+        apply_registration(m, module, name, kind)
+    for o in optimizers:
+        _no_casts_in_step(o)
+    return m
+
+
+def register(owner: Any, registry: list[Any], module: Any, name: str, kind: str) -> None:
+    """Record a ``register_*_function`` call of ``owner``; apply it now if its mode is on.
+
+    Raises:
+        ValueError: ``module`` has no attribute ``name`` (the caller may re-raise).
+
+    Example:
+        >>> import types
+        >>> reg: list = []
+        >>> register(object(), reg, types.SimpleNamespace(f=abs), "f", "float")
+        >>> len(reg)
+        1
+    """
+    if not hasattr(module, name):
+        raise ValueError(f"no function named {name!r} in {module!r}")
+    registry.append((module, name, kind))
+    m = _CURRENT
+    if m is not None and getattr(m, "owner", None) is owner:
+        apply_registration(m, module, name, kind)
+
+
+@contextlib.contextmanager
+def no_casts(device_type: str) -> Iterator[None]:
+    """The O1 casts and ``torch.autocast`` of ``device_type`` off inside."""
+    m = _CURRENT
+    with (m.casts(False) if m is not None else contextlib.nullcontext()), \
+            torch.autocast(device_type, enabled=False):
+        yield
+
+
+def casts_on() -> contextlib.AbstractContextManager[Any]:
+    """The O1 casts on inside (a no-op context when no mode is installed)."""
+    m = _CURRENT
+    return m.casts(True) if m is not None else contextlib.nullcontext()
+
+
+def active_low_dtype() -> torch.dtype | None:
+    """The low dtype of the installed mode while its casts are on, else None."""
+    m = _CURRENT
+    return m.low if m is not None and m.active else None

@@ -1,0 +1,285 @@
+"""Apex's O1, as a ``torch.overrides.TorchFunctionMode``: casts by Apex's lists, everywhere.
+
+After ``amp.initialize(..., opt_level="O1")`` (``"O4"``: bfloat16) or ``amp.init()``, every
+torch function the program calls (in any module's forward, a head or criterion in the
+loop, functional code, tensor methods and operators) goes through :class:`O1Mode`, which
+applies Apex's lists (:mod:`adapters.apex.amp._o1_lists`) to the floating tensors on the
+amp device (the device type of the initialized model; Apex: CUDA):
+
+- half list (``mm``, ``matmul``, ``@``, ``F.linear``, convolutions, RNN cells...): every
+  floating argument to the low dtype; the output stays low.
+- float list (``softmax``, ``layer_norm``, losses, ``exp``, ``sum``, ``pow``...): to float32.
+- promote (``add``, ``mul``, ``atan2``, comparisons, operators...): a mix of the low dtype
+  and float32 goes to float32 (a half tensor times a float32 0-d tensor gives float32).
+- sequence promote (``cat``, ``stack``): the same over the sequence.
+- in place: ``x.exp_()`` (float list) on a half ``x`` raises ``NotImplementedError``, as does
+  ``torch.exp_`` with any half argument; other in-place methods (``add_``, ``x += y``...)
+  cast their arguments to ``x``'s dtype.
+- ``F.binary_cross_entropy`` / ``nn.BCELoss`` with a half argument raises
+  ``NotImplementedError`` unless ``amp.init(allow_banned=True)`` (then float32).
+- ``nn.LSTM``/``GRU``/``RNN`` (packed sequences too) and their cells run in half.
+- ``Tensor.cpu()`` of a half CUDA tensor gives float32.
+- casts of float32 ``nn.Parameter`` s to half are cached (``enable_caching``).
+
+``amp.disable_casts()`` turns it off inside; ``optimizer.step()`` of an initialized
+optimizer runs with casts off (as in Apex); ``register_*_function`` add rules.
+
+Differences from Apex that remain:
+
+1. Apex cast CUDA tensors only; here the amp device is the device type of the model at
+   ``initialize`` (``amp.init``: CUDA when available, else the CPU), so a CPU model gets
+   O1 on the CPU. Tensors on other devices are left alone.
+2. The mode is thread-local (torch function modes are): threads started by the program
+   (``nn.DataParallel`` replicas, Python ``autograd.Function.backward`` on autograd
+   threads) run without casts. Apex patched the functions globally.
+3. Functions nested inside a torch function the mode passes through are not seen: e.g.
+   inside ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) the linears run
+   in the dtype of their inputs (Apex's patched ``F.linear`` was cast there).
+4. A promote between dtypes other than {low, float32} (e.g. float32 with float64) is left
+   to torch's type promotion; Apex raised ``NotImplementedError``.
+5. Operators reach the mode as methods (``a - b`` is ``Tensor.sub``), so ``x.sub(y)``
+   promotes like ``x - y``; ``x += y``, ``x **= 2`` are the in-place methods (``add_``,
+   ``pow_``): ``x`` keeps its dtype (Apex rebound ``x`` to a new float32 tensor for
+   mixed dtypes), and ``x **= 2`` on a half ``x`` raises like ``x.pow_(2)``.
+6. The param cache also checks the param's version counter, so a param changed in place
+   (a step, ``load_state_dict``) is never served stale; Apex only cleared it at the end of
+   each ``scale_loss``. The cache is skipped while ``torch.compile`` traces and under
+   ``torch.inference_mode``.
+7. Functions registered with ``register_*_function`` after ``initialize`` apply at once
+   (Apex: only at the next ``initialize``/``init``); a torch/``F``/``Tensor`` function is
+   handled by the mode, anything else is wrapped in place and restored by ``_deactivate``.
+8. Once installed, the casts stay on across later ``initialize`` calls at other levels
+   (as in Apex, which never removed its patches); ``handle._deactivate()`` removes them.
+   An O4 ``initialize`` switches the low dtype to bfloat16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from adapters.apex.amp._o1_lists import BANNED_MESSAGE, build_rules
+
+__all__ = ["O1Mode"]
+
+_RULES: dict[Any, tuple[str, str]] | None = None
+
+
+def _rules() -> dict[Any, tuple[str, str]]:
+    global _RULES
+    if _RULES is None:
+        _RULES = build_rules()
+    return _RULES
+
+
+def _short(dt: torch.dtype) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dt, str(dt))
+
+
+def _fp(x: Any) -> bool:
+    """Apex's ``is_fp_tensor``: a floating tensor, or a list/tuple of them only."""
+    if isinstance(x, list | tuple):
+        return len(x) > 0 and all(_fp(y) for y in x)
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _types(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[torch.dtype]:
+    out: set[torch.dtype] = set()
+
+    def visit(x: Any) -> None:
+        if isinstance(x, list | tuple):
+            for y in x:
+                visit(y)
+        else:
+            out.add(x.dtype)
+
+    for a in (*args, *kwargs.values()):
+        if _fp(a):
+            visit(a)
+    return out
+
+
+class O1Mode(TorchFunctionMode):
+    """The O1 casts (see the module docstring for what each list does).
+
+    Args:
+        low: the low dtype (float16 for O1, bfloat16 for O4).
+        device_type: the device type whose tensors are cast (``"cuda"``, ``"cpu"``...).
+        allow_banned: run ``F.binary_cross_entropy`` in float32 instead of refusing it.
+        enable_caching: cache the half casts of float32 params.
+        verbose: print every cast (``Float->Half (mm)``), as Apex did.
+
+    Example:
+        >>> mode = O1Mode(torch.float16, "cpu")
+        >>> with mode:
+        ...     torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
+        torch.float16
+    """
+
+    def __init__(self, low: torch.dtype = torch.float16, device_type: str = "cuda",
+                 allow_banned: bool = False, enable_caching: bool = True,
+                 verbose: bool = False) -> None:
+        super().__init__()
+        if low not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"low must be torch.float16 or torch.bfloat16, got {low!r}")
+        self.low = low
+        self.device_type = device_type
+        self.allow_banned = allow_banned
+        self.enable_caching = enable_caching
+        self.verbose = verbose
+        self.active = True
+        self.cache: dict[Any, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.user_rules: dict[Any, tuple[str, str]] = {}
+        self.patches: list[tuple[Any, str, Any]] = []
+
+    # -- casting helpers ------------------------------------------------------------------
+    def _cast(self, x: torch.Tensor, dt: torch.dtype, name: str) -> torch.Tensor:
+        if x.dtype == dt or x.device.type != self.device_type:
+            return x
+        if self.verbose:
+            print(f"{'Float' if x.dtype == torch.float32 else x.dtype}->"
+                  f"{'Half' if dt == self.low else 'Float'} ({name})")
+        return x.to(dt)
+
+    def _cached(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """A half cast of a float32 param, from the cache when still valid."""
+        if (not self.enable_caching or not isinstance(x, torch.nn.Parameter)
+                or x.dtype != torch.float32 or torch.is_inference_mode_enabled()
+                or torch.compiler.is_compiling()):
+            return self._cast(x, self.low, name)
+        version = getattr(x, "_version", None)
+        entry = self.cache.get(id(x))
+        if entry is not None:
+            p, v, c = entry
+            stale = p is not x or v != version or c.is_inference()
+            # Apex: with grad on, a cast made under no_grad (or vice versa) is remade
+            if not stale and not (torch.is_grad_enabled() and x.requires_grad != c.requires_grad):
+                return c
+        c = self._cast(x, self.low, name)
+        self.cache[id(x)] = (x, version, c)
+        return c
+
+    def _map(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+             fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Apply ``fn`` to the floating args (top level, or lists/tuples of them only)."""
+        def one(a: Any) -> Any:
+            if not _fp(a):
+                return a
+            if isinstance(a, list | tuple):
+                return type(a)(one(y) for y in a)
+            return fn(a)
+
+        return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+    def half_args(self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
+                  cache: bool = True) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Every floating argument in the low dtype (params through the cache)."""
+        if cache:
+            return self._map(args, kwargs, lambda t: self._cached(t, name))
+        return self._map(args, kwargs, lambda t: self._cast(t, self.low, name))
+
+    def float_args(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   name: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Every floating argument in float32."""
+        return self._map(args, kwargs, lambda t: self._cast(t, torch.float32, name))
+
+    def _mixed(self, dtypes: set[torch.dtype]) -> bool:
+        return dtypes == {self.low, torch.float32}
+
+    def _rnn_weights(self, ws: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+        """Half weights; on CUDA laid out in one buffer like the float32 ones (cuDNN)."""
+        same = (len(ws) > 0 and all(w.is_cuda and w.dtype == torch.float32 for w in ws)
+                and len({w.untyped_storage().data_ptr() for w in ws}) == 1
+                and not torch.compiler.is_compiling())
+        if not same:
+            return [self._cached(w, name) for w in ws]
+        base = min(w.data_ptr() for w in ws)
+        offs = [(w.data_ptr() - base) // w.element_size() for w in ws]
+        buf = torch.empty(max(o + w.numel() for o, w in zip(offs, ws, strict=True)),
+                          dtype=self.low, device=ws[0].device)
+        out = []
+        for o, w in zip(offs, ws, strict=True):
+            v = buf.as_strided(w.shape, w.stride(), o)
+            v.copy_(w)
+            out.append(v)
+        return out
+
+    # -- the mode -------------------------------------------------------------------------
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        rule = self.user_rules.get(func) or _rules().get(func)
+        if rule is None or not self.active:
+            return func(*args, **kwargs)
+        kind, name = rule
+        if kind == "half":
+            args, kwargs = self.half_args(args, kwargs, name)
+        elif kind == "float":
+            args, kwargs = self.float_args(args, kwargs, name)
+        elif kind == "promote":
+            if self._mixed(_types(args, kwargs)):
+                args, kwargs = self.float_args(args, kwargs, name)
+        elif kind == "sequence":
+            seq = args[0] if args else kwargs.get("tensors")
+            if isinstance(seq, list | tuple) and self._mixed(
+                    {t.dtype for t in seq if isinstance(t, torch.Tensor)}):
+                seq = [self._cast(t, torch.float32, name) for t in seq]
+                if args:
+                    args = (seq, *args[1:])
+                else:
+                    kwargs = {**kwargs, "tensors": seq}
+        elif kind == "banned":
+            if self.allow_banned:
+                args, kwargs = self.float_args(args, kwargs, name)
+            elif self.low in _types(args, kwargs):
+                raise NotImplementedError(BANNED_MESSAGE.format(dtype=self.low))
+        elif kind == "inplace_any":
+            if self.low in _types(args, kwargs):
+                raise NotImplementedError(
+                    f"Cannot call in-place function {name}_ with {_short(self.low)} arguments.")
+        elif kind in ("inplace_self", "match_self"):
+            this = args[0] if args else None
+            if isinstance(this, torch.Tensor):
+                if kind == "inplace_self" and this.dtype == self.low:
+                    raise NotImplementedError(
+                        f"Cannot call in-place method {name}_ on {_short(self.low)} Tensors.")
+                dt = torch.float32 if kind == "inplace_self" else this.dtype
+                if dt in (self.low, torch.float32):
+                    rest, kwargs = self._map(args[1:], kwargs,
+                                             lambda t: self._cast(t, dt, name))
+                    args = (this, *rest)
+        elif kind == "cpu":
+            this = args[0] if args else None
+            if isinstance(this, torch.Tensor) and this.is_floating_point() and \
+                    this.device.type != "cpu":
+                args = (self._cast(this, torch.float32, name), *args[1:])
+        elif kind == "rnn":
+            idx = 2 if len(args) > 6 and isinstance(args[6], bool) else 3
+            new = []
+            for i, a in enumerate(args):
+                if i == idx and isinstance(a, list | tuple):
+                    new.append(self._rnn_weights(list(a), name))
+                elif _fp(a):
+                    new.append(self.half_args((a,), {}, name)[0][0])
+                else:
+                    new.append(a)
+            args = tuple(new)
+        return func(*args, **kwargs)
+
+    # -- switches -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def casts(self, on: bool) -> Iterator[None]:
+        """A context with the casts on (``True``) or off (``False``) inside."""
+        was, self.active = self.active, on
+        try:
+            yield
+        finally:
+            self.active = was
+
+    def clear_cache(self) -> None:
+        """Drop every cached cast (Apex did this at the end of each ``scale_loss``)."""
+        self.cache.clear()
