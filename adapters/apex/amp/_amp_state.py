@@ -202,6 +202,13 @@ class AmpStateView(_ReadOnly):
     def handle(self) -> Any:
         """The handle of ``amp.init`` / an O1 initialize (``AttributeError`` where none)."""
         handle = getattr(self._get(), "_handle", None)
+        if handle is None:  # the owner of the installed O1 mode, when it is amp.init's handle
+            from adapters.apex.amp import _o1_install
+
+            mode = _o1_install.current()
+            owner = getattr(mode, "owner", None)
+            if owner is not None and hasattr(owner, "_deactivate"):
+                handle = owner
         if handle is None:
             raise AttributeError("_amp_state.handle is set by amp.init() (and by an O1/O4 "
                                  "amp.initialize), which was not called (as in Apex)")
