@@ -32,7 +32,7 @@ _BYTES_PER_ELEMENT = 4
 
 
 def _comm_hook(group: Any, average: bool, predivide: float, fp32: bool):
-    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def hook(state, bucket):  # no annotations: torch checks them, and they are strings here
         buf = bucket.buffer()
         t = buf.float() if fp32 and buf.dtype != torch.float32 else buf
         if predivide != 1.0:
