@@ -11,6 +11,7 @@ Example:
     >>> model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
 """
 
-from adapters.apex import amp
+from adapters.apex import amp, amp_C, fp16_utils, multi_tensor_apply, optimizers, parallel
 
 __all__ = ["amp"]
+__all__ += ["amp_C", "fp16_utils", "multi_tensor_apply", "optimizers", "parallel"]

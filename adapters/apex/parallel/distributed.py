@@ -12,12 +12,13 @@ Apex's arguments map onto ``torch.nn.parallel.DistributedDataParallel``:
   (``allreduce_trigger_params``, ``retain_allreduce_buffers``, ``num_allreduce_streams``,
   ``allreduce_communicators``, ``prof``) warn and have no effect.
 
-Buffers are not broadcast on each forward (``broadcast_buffers=False``): Apex's DDP only
-broadcast the params, once, at construction.
+Buffers are not broadcast on each forward (``forward_sync_buffers=False``, or
+``broadcast_buffers=False`` before torch 2.13): Apex's DDP only broadcast the params.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -29,10 +30,14 @@ from adapters.apex._warn import warn_unsupported
 __all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call"]
 
 _BYTES_PER_ELEMENT = 4
+# torch >= 2.13 renamed broadcast_buffers (which still works, with a FutureWarning)
+_NO_BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
+                   inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+                   else "broadcast_buffers")
 
 
 def _comm_hook(group: Any, average: bool, predivide: float, fp32: bool):
-    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def hook(state, bucket):  # no annotations: torch checks them, and they are strings here
         buf = bucket.buffer()
         t = buf.float() if fp32 and buf.dtype != torch.float32 else buf
         if predivide != 1.0:
@@ -126,7 +131,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             bucket_mb = max(1.0, 2.0 * numel * 8 / 2**20)
         else:
             bucket_mb = message_size * _BYTES_PER_ELEMENT / 2**20
-        ddp_kwargs.setdefault("broadcast_buffers", False)
+        if not ({"broadcast_buffers", "forward_sync_buffers"} & ddp_kwargs.keys()):
+            ddp_kwargs[_NO_BUFFER_SYNC] = False
         super().__init__(module, bucket_cap_mb=bucket_mb, **ddp_kwargs)
         self.message_size = message_size
         self.delay_allreduce = delay_allreduce
@@ -138,6 +144,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.register_comm_hook(None, _comm_hook(self.process_group, gradient_average,
                                                      self.gradient_predivide_factor,
                                                      allreduce_always_fp32))
+
+    def _passing_sync_batchnorm_handle(self, module: torch.nn.Module) -> None:
+        # torch refuses SyncBatchNorm in a CPU module; ours synchronises on CPU (gloo)
+        from adapters.apex.parallel.sync_batchnorm import SyncBatchNorm
+
+        others = [m for m in module.modules()
+                  if isinstance(m, torch.nn.SyncBatchNorm) and not isinstance(m, SyncBatchNorm)]
+        if others or self.device_type != "cpu":
+            super()._passing_sync_batchnorm_handle(module)
 
     def disable_allreduce(self) -> None:
         """Stop all-reducing grads (they accumulate locally) until :meth:`enable_allreduce`."""

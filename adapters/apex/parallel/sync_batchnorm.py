@@ -1,9 +1,9 @@
 """``apex.parallel.SyncBatchNorm`` on ``torch.nn.SyncBatchNorm``, on CPU (gloo) too.
 
 On CUDA the statistics are reduced by torch's ``SyncBatchNorm``. torch refuses CPU
-inputs when it has to synchronise; there the per-channel sums are all-reduced here
-through the differentiable ``torch.distributed.nn.functional.all_reduce`` (two passes:
-the mean, then the centred squares), which gives the same values and gradients.
+inputs when it has to synchronise; there the per-channel sums are all-reduced here by a
+differentiable sum over the group (two passes: the mean, then the centred squares),
+which gives the same values and gradients.
 """
 
 from __future__ import annotations
@@ -14,6 +14,27 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["SyncBatchNorm"]
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; the grad of each rank's input is the sum of the output grads."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = grad.clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _AllReduceSum.apply(x, group)
 
 _TORCH_SYNC_DEVICES = ("cuda", "hpu", "xpu")
 
@@ -75,8 +96,6 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         return self._cpu_sync(x)
 
     def _cpu_sync(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.nn.functional import all_reduce
-
         self._check_input_dim(x)
         group = self.process_group or dist.group.WORLD
         dtype = self.weight.dtype if self.weight is not None else (
