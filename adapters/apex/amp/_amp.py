@@ -250,9 +250,9 @@ class Amp:
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None
             self.load_state_dict(pending)
-        if props.patch_torch_functions:  # [amp14a] Apex's O1 casts: a torch function mode
-            _o1.activate(self, props.autocast_dtype, self._device_type(), self._registry,
-                         opt_list, verbose=self._log.verbosity == 2)
+        # [amp14a] Apex's O1 casts (a torch function mode): on at O1/O4, off otherwise
+        _o1.follow(self, props, self._device_type(), self._registry, opt_list,
+                   verbose=self._log.verbosity == 2)
         return result()
 
     @staticmethod

@@ -48,9 +48,11 @@ Differences from Apex that remain:
 7. Functions registered with ``register_*_function`` after ``initialize`` apply at once
    (Apex: only at the next ``initialize``/``init``); a torch/``F``/``Tensor`` function is
    handled by the mode, anything else is wrapped in place and restored by ``_deactivate``.
-8. Once installed, the casts stay on across later ``initialize`` calls at other levels
-   (as in Apex, which never removed its patches); ``handle._deactivate()`` removes them.
-   An O4 ``initialize`` switches the low dtype to bfloat16.
+8. One set of casts per thread, and the latest ``initialize`` decides: one at O1/O4
+   installs them (O4: bfloat16), one at another level removes them (with a warning), so
+   a model initialized at O1 before runs uncast from then on. Apex never removed its
+   patches (a later O0/O2 model ran with the O1 casts). ``handle._deactivate()`` removes
+   them too.
 """
 
 from __future__ import annotations
