@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from adapters.apex.amp._amp import Amp
 from adapters.apex.amp._errors import AmpError
+from adapters.apex.amp._handle import init  # [amp14a] the old handle API
 from adapters.apex.amp._opt_levels import OPT_LEVELS, Properties
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "disable_casts",
     "float_function",
     "half_function",
+    "init",
     "initialize",
     "last_step_skipped",
     "load_state_dict",

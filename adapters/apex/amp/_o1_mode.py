@@ -242,13 +242,13 @@ class O1Mode(TorchFunctionMode):
         elif kind == "inplace_any":
             if self.low in _types(args, kwargs):
                 raise NotImplementedError(
-                    f"Cannot call in-place function {name}_ with {_short(self.low)} arguments.")
+                    f"Cannot call in-place function {name} with {_short(self.low)} arguments.")
         elif kind in ("inplace_self", "match_self"):
             this = args[0] if args else None
             if isinstance(this, torch.Tensor):
                 if kind == "inplace_self" and this.dtype == self.low:
                     raise NotImplementedError(
-                        f"Cannot call in-place method {name}_ on {_short(self.low)} Tensors.")
+                        f"Cannot call in-place method {name} on {_short(self.low)} Tensors.")
                 dt = torch.float32 if kind == "inplace_self" else this.dtype
                 if dt in (self.low, torch.float32):
                     rest, kwargs = self._map(args[1:], kwargs,
