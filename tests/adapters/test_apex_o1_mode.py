@@ -300,3 +300,16 @@ def test_docstring_examples(name):
     result = doctest.testmod(mod, extraglobs={**vars(mod), "torch": torch})
     _o1_install.uninstall()
     assert result.failed == 0
+
+
+def test_deepcopy_of_an_o1_optimizer_steps_its_own_params():
+    import copy
+
+    _, m, o = o1()
+    m2, o2 = copy.deepcopy((m, o))
+    loss = F.cross_entropy(m2(torch.randn(4, 4)), torch.tensor([0, 1, 2, 0]))
+    loss.backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    o2.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(before, m2.parameters(), strict=True))

@@ -192,15 +192,16 @@ def _no_casts_in_step(optimizer: Any) -> None:
     """Run ``optimizer.step`` with the casts off and the cache dropped (as Apex did)."""
     if getattr(optimizer, "_amp_o1_step", False):
         return
-    inner = optimizer.step
+    # kept on the optimizer (not in a closure), so that a deepcopy steps its own copy
+    optimizer._amp_o1_inner_step = optimizer.step
 
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         m = _CURRENT
         if m is None:
-            return inner(*args, **kwargs)
+            return self._amp_o1_inner_step(*args, **kwargs)
         m.clear_cache()
         with m.casts(False):
-            return inner(*args, **kwargs)
+            return self._amp_o1_inner_step(*args, **kwargs)
 
     # a bound method, as LR schedulers expect (they wrap ``step.__func__``)
     optimizer.step = types.MethodType(step, optimizer)
