@@ -24,6 +24,7 @@ from __future__ import annotations
 from adapters.apex.amp._amp import Amp
 from adapters.apex.amp._amp_state import _amp_state as _amp_state  # Apex's read-only global state
 from adapters.apex.amp._errors import AmpError
+from adapters.apex.amp._handle import init  # [amp14a] the old handle API
 from adapters.apex.amp._opt_levels import OPT_LEVELS, Properties
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "disable_casts",
     "float_function",
     "half_function",
+    "init",
     "initialize",
     "last_step_skipped",
     "load_state_dict",

@@ -283,9 +283,9 @@ class Amp:
         for scaler, values in loads:
             scaler.apply_state(*values)
         self._pending_state = None
-        if props.patch_torch_functions:  # [amp14a] Apex's O1 casts: a torch function mode
-            _o1.activate(self, props.autocast_dtype, session.device_type(), self._registry,
-                         new_opts, verbose=log.verbosity == 2)
+        # [amp14a] Apex's O1 casts (a torch function mode): on at O1/O4, off otherwise
+        _o1.follow(self, props, session.device_type(), self._registry, new_opts,
+                   verbose=log.verbosity == 2)
         return result()
 
     def _classify(self, models: list[torch.nn.Module], opts: list[torch.optim.Optimizer],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -191,18 +192,19 @@ def _no_casts_in_step(optimizer: Any) -> None:
     """Run ``optimizer.step`` with the casts off and the cache dropped (as Apex did)."""
     if getattr(optimizer, "_amp_o1_step", False):
         return
-    inner = optimizer.step
+    # kept on the optimizer (not in a closure), so that a deepcopy steps its own copy
+    optimizer._amp_o1_inner_step = optimizer.step
 
-    @functools.wraps(inner)
-    def step(*args: Any, **kwargs: Any) -> Any:
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         m = _CURRENT
         if m is None:
-            return inner(*args, **kwargs)
+            return self._amp_o1_inner_step(*args, **kwargs)
         m.clear_cache()
         with m.casts(False):
-            return inner(*args, **kwargs)
+            return self._amp_o1_inner_step(*args, **kwargs)
 
-    optimizer.step = step
+    # a bound method, as LR schedulers expect (they wrap ``step.__func__``)
+    optimizer.step = types.MethodType(step, optimizer)
     optimizer._amp_o1_step = True
 
 
@@ -240,6 +242,43 @@ def activate(owner: Any, low: torch.dtype, device_type: str, registry: list[Any]
     for o in optimizers:
         _no_casts_in_step(o)
     return m
+
+
+def follow(owner: Any, props: Any, device_type: str, registry: list[Any],
+           optimizers: list[Any], verbose: bool = False) -> O1Mode | None:
+    """Make the casts follow an ``initialize`` of ``owner``: the latest one decides.
+
+    At O1/O4 (``props.patch_torch_functions``) the mode is installed (see
+    :func:`activate`); at any other level an installed mode is removed, with a warning.
+
+    Args:
+        owner: the ``Amp``.
+        props: its resolved ``Properties``.
+        device_type: the model's device type.
+        registry: the owner's registrations.
+        optimizers: the optimizers of this initialize.
+        verbose: print every cast.
+
+    Returns:
+        The installed mode, or None.
+
+    Example:
+        >>> from adapters.apex.amp._opt_levels import resolve_properties
+        >>> follow(object(), resolve_properties("O2"), "cpu", [], []) is None
+        True
+    """
+    if props.patch_torch_functions:
+        return activate(owner, props.autocast_dtype, device_type, registry, optimizers,
+                        verbose)
+    if _CURRENT is not None:
+        from adapters.apex.amp._log import LOGGER
+
+        LOGGER.warning("amp.initialize(opt_level=%s) removes the O1 casts that an earlier "
+                       "initialize installed: one set of casts per thread, the latest "
+                       "initialize decides (models initialized at O1 before now run "
+                       "uncast)", props.opt_level)
+        uninstall()
+    return None
 
 
 def register(owner: Any, registry: list[Any], module: Any, name: str, kind: str) -> None:

@@ -48,9 +48,11 @@ Differences from Apex that remain:
 7. Functions registered with ``register_*_function`` after ``initialize`` apply at once
    (Apex: only at the next ``initialize``/``init``); a torch/``F``/``Tensor`` function is
    handled by the mode, anything else is wrapped in place and restored by ``_deactivate``.
-8. Once installed, the casts stay on across later ``initialize`` calls at other levels
-   (as in Apex, which never removed its patches); ``handle._deactivate()`` removes them.
-   An O4 ``initialize`` switches the low dtype to bfloat16.
+8. One set of casts per thread, and the latest ``initialize`` decides: one at O1/O4
+   installs them (O4: bfloat16), one at another level removes them (with a warning), so
+   a model initialized at O1 before runs uncast from then on. Apex never removed its
+   patches (a later O0/O2 model ran with the O1 casts). ``handle._deactivate()`` removes
+   them too.
 """
 
 from __future__ import annotations
@@ -240,13 +242,13 @@ class O1Mode(TorchFunctionMode):
         elif kind == "inplace_any":
             if self.low in _types(args, kwargs):
                 raise NotImplementedError(
-                    f"Cannot call in-place function {name}_ with {_short(self.low)} arguments.")
+                    f"Cannot call in-place function {name} with {_short(self.low)} arguments.")
         elif kind in ("inplace_self", "match_self"):
             this = args[0] if args else None
             if isinstance(this, torch.Tensor):
                 if kind == "inplace_self" and this.dtype == self.low:
                     raise NotImplementedError(
-                        f"Cannot call in-place method {name}_ on {_short(self.low)} Tensors.")
+                        f"Cannot call in-place method {name} on {_short(self.low)} Tensors.")
                 dt = torch.float32 if kind == "inplace_self" else this.dtype
                 if dt in (self.low, torch.float32):
                     rest, kwargs = self._map(args[1:], kwargs,
