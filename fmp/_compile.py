@@ -99,6 +99,13 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
         patch.update(STEP_OPTIONS)
     else:
         compiled = torch.compile(fn, **kwargs)
+        if phases is not None:  # a donated step traced whole cannot tell whose tensors
+            whole = compiled  # it was given: copy the module's first (fmp.train_step)
+
+            def compiled(state: Any, *batch: Any) -> Any:
+                return whole(phases.private(state), *batch)
+
+            compiled.__wrapped__ = fn  # type: ignore[attr-defined]
     if not patch:
         return compiled
 

@@ -1,0 +1,42 @@
+"""Which tensors a donated step may write into: those only fmp steps have handed out.
+
+``train_step(..., donate=True)`` writes the new params, optimizer state and model state
+into the input state's tensors. That is safe for tensors a step returned (the caller
+consumes the state it passes in), not for tensors that came from elsewhere: the params and
+buffers of :func:`fmp.functional` share storage with the module, and two states made from
+one params tree share them with each other. A donated step therefore copies, once, every
+such tensor it has not handed out itself; the copies are its own from then on, and the
+module and the other states keep their values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["claim", "private"]
+
+#: tensors a step (or TrainState.create, for fresh optimizer state) handed out
+_OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def claim(*trees: Any) -> None:
+    """Record the tensor leaves of ``trees`` as handed out by fmp (no one else holds them)."""
+    for tree in trees:
+        for x in optree.tree_leaves(tree):
+            if isinstance(x, torch.Tensor):
+                _OWNED[x] = True
+
+
+def private(tree: Any) -> Any:
+    """``tree`` with a copy of every tensor leaf fmp did not hand out (none: ``tree``)."""
+    leaves, spec = optree.tree_flatten(tree)
+    if all(not isinstance(x, torch.Tensor) or x in _OWNED for x in leaves):
+        return tree
+    new = [x.clone() if isinstance(x, torch.Tensor) and x not in _OWNED else x
+           for x in leaves]
+    claim(new)
+    return optree.tree_unflatten(spec, new)
