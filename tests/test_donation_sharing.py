@@ -93,3 +93,19 @@ def test_a_state_from_a_pure_step_is_donated_in_place_and_copies_stay_apart():
     s2, _ = donated(s, x, y)
     assert s2.params["0.weight"] is w  # the pure step's output is fmp's own
     assert_trees_bit_equal(other.params, kept.params)
+
+
+@pytest.mark.slow
+def test_donated_step_compiled_whole_leaves_the_module_alone():
+    net = mlp()
+    apply_fn, params, _ = fmp.functional(net)
+    before = clone_tree(dict(net.named_parameters()))
+    opt = fmp.optim.sgd(0.1)
+    step = fmp.train_step(lambda p, x, y: F.cross_entropy(apply_fn(p, x), y), opt, donate=True)
+    cstep = fmp.compile(step, whole_graph=True, backend="aot_eager")
+    s = fmp.TrainState.create(params, opt)
+    for _ in range(2):
+        s, m = cstep(s, *blobs(32))
+    assert not bool(m["skipped"])
+    assert not torch.equal(s.params["0.weight"], before["0.weight"])
+    assert_trees_bit_equal(dict(net.named_parameters()), before)
