@@ -431,11 +431,12 @@ def train_step(
             step on the whole batch with a mean loss). The loss scale moves once per step.
         donate: write the new params, optimizer state and model state into the input
             state's tensors in place (saves memory; the input state is consumed, and so is
-            any state made from it with ``_replace``). Only tensors a step returned are
-            written into: the first donated call copies the others once (params and
-            buffers from :func:`fmp.functional`, which share storage with the module, or
-            a tree another state also holds), so the module and other states keep their
-            values. With
+            any state made from it with ``_replace``). Only tensors a donated step
+            returned (and the fresh optimizer state of ``TrainState.create``) are written
+            into: the first donated call copies the others once (params and buffers from
+            :func:`fmp.functional`, which share storage with the module, a tree another
+            state also holds, a pure step's output), so the module and other states keep
+            their values. With
             :func:`fmp.optim.sgd`, :func:`~fmp.optim.adam` or :func:`~fmp.optim.adamw` on
             uniform-dtype trees this runs torch's fused kernel, which unscales, updates and
             skips in one pass.
@@ -663,11 +664,6 @@ def train_step(
         new_state, metrics = update_impl(state, batch, *grad_phase(state, batch, loss_impl))
         if state.compute_params is not None:
             stamp(new_state.params, new_state.compute_params, cast_p)
-        if not donate and not torch.compiler.is_compiling():  # donated: written in place
-            mine = (new_state.params, new_state.opt_state, new_state.model_state)
-            given = {id(x) for x in optree.tree_leaves((state.params, state.opt_state,
-                                                        state.model_state))}
-            claim([x for x in optree.tree_leaves(mine) if id(x) not in given])
         return new_state, metrics
 
     def prepare(state: TrainState) -> TrainState:
