@@ -99,8 +99,8 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
         patch.update(STEP_OPTIONS)
     else:
         compiled = torch.compile(fn, **kwargs)
-        if phases is not None:  # a donated step traced whole cannot tell whose tensors
-            whole = compiled  # it was given: copy the module's first (fmp.train_step)
+        if phases is not None:  # host-side work a step traced whole cannot do: norm
+            whole = compiled  # policies, copies of tensors a donated step must not write
 
             def compiled(state: Any, *batch: Any) -> Any:
                 return whole(phases.private(state), *batch)

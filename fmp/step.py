@@ -681,9 +681,11 @@ def train_step(
         return run(state, batch, scaled_loss, update_phase)
 
     def private(state: TrainState) -> TrainState:
-        """``state`` with copies of the tensors a donated step must not write into (a
-        step compiled whole cannot look: :func:`fmp.compile` and :func:`fmp.cuda_graph`
-        call this first)."""
+        """The host-side work a step traced whole cannot do (:func:`fmp.compile` and
+        :func:`fmp.cuda_graph` call this first): find the default per-param policies, and
+        copy the tensors a donated step must not write into."""
+        if isinstance(state, TrainState):
+            cast_p.resolve(state.params)
         return _private_state(state) if donate and isinstance(state, TrainState) else state
 
     step._fmp_phases = _Phases(scaled_loss, update_phase, run, prepare,  # type: ignore[attr-defined]

@@ -143,7 +143,8 @@ def test_hugging_face_gpt2_with_frozen_embeddings():
 
 
 @pytest.mark.slow
-def test_compiled_step_with_frozen_params_and_a_layer_norm_matches_eager():
+@pytest.mark.parametrize("whole_graph", [False, True])
+def test_compiled_step_with_frozen_params_and_a_layer_norm_matches_eager(whole_graph):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
                               torch.nn.Linear(16, 2))
@@ -157,7 +158,7 @@ def test_compiled_step_with_frozen_params_and_a_layer_norm_matches_eager():
 
     opt = fmp.optim.adamw(1e-2)
     step = fmp.train_step(loss_fn, opt, "bf16-mixed")
-    cstep = fmp.compile(step, backend="aot_eager")
+    cstep = fmp.compile(step, backend="aot_eager", whole_graph=whole_graph)
     s_e = fmp.TrainState.create(clone_tree(params), opt)
     s_c = fmp.TrainState.create(clone_tree(params), opt)
     x, y = blobs(16)
