@@ -185,11 +185,11 @@ def value_and_grad(
     first = [True]
 
     def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
-        cast_p.resolve(params)
         if first[0] and not torch.compiler.is_compiling():
             first[0] = False
             warn_cast_overflow(args, kwargs, pol.compute_dtype, cast_batch,
                                "fmp.value_and_grad")
+        cast_p.resolve(params)  # norm layers of an fmp.functional module: float32
         grads, (loss, aux) = grad_with_aux(
             lambda p: scaled_loss(p, loss_scale, (), args, kwargs, True), params)
         grads = loss_scale.unscale(grads)
