@@ -99,6 +99,13 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
         patch.update(STEP_OPTIONS)
     else:
         compiled = torch.compile(fn, **kwargs)
+        if phases is not None:  # host-side work a step traced whole cannot do: norm
+            whole = compiled  # policies, copies of tensors a donated step must not write
+
+            def compiled(state: Any, *batch: Any) -> Any:
+                return whole(phases.private(state), *batch)
+
+            compiled.__wrapped__ = fn  # type: ignore[attr-defined]
     if not patch:
         return compiled
 

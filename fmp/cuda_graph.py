@@ -154,7 +154,7 @@ def cuda_graph(step: Callable[..., Any], state: Any, *batch: Any, warmup: int = 
     phases = getattr(step, "_fmp_phases", None) or getattr(
         getattr(step, "__wrapped__", None), "_fmp_phases", None)
     if phases is not None:  # the copy the graph reads: current now, so no cast is captured
-        state = phases.prepare(state)
+        state = phases.prepare(phases.private(state))  # and nothing of the module's written
     static_batch = _clone(batch)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -13,7 +13,7 @@ from fmp.dtypes import DTYPE_NAMES, dtype_name
 from fmp.dtypes import dtype as _dtype
 from fmp.tree import cast_tree
 
-__all__ = ["PRESETS", "Policy", "cast_params", "get_policy", "module_policies"]
+__all__ = ["NORM_LAYERS", "PRESETS", "Policy", "cast_params", "get_policy", "module_policies"]
 
 T = TypeVar("T")
 
@@ -187,11 +187,34 @@ def get_policy(spec: str | Policy) -> Policy:
 
 ModuleKey = type | str
 
+#: The norm layers that mixed policies with float32 params keep in float32 by default (as
+#: Apex's ``keep_batchnorm_fp32`` and torch.autocast do): their statistics and affine
+#: params lose too much in 16 bits, and BatchNorm's kernels take a float16/bfloat16 input
+#: only with float32 params and running statistics.
+NORM_LAYERS: tuple[type, ...] = tuple(
+    c for c in (getattr(torch.nn, n, None) for n in (
+        "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d",
+        "LazyBatchNorm2d", "LazyBatchNorm3d", "InstanceNorm1d", "InstanceNorm2d",
+        "InstanceNorm3d", "LazyInstanceNorm1d", "LazyInstanceNorm2d", "LazyInstanceNorm3d",
+        "LayerNorm", "GroupNorm", "RMSNorm"))
+    if isinstance(c, type))
+
+
+def keeps_norms_fp32(pol: Policy) -> bool:
+    """Whether ``pol`` is mixed with float32 params, so norm layers stay in float32."""
+    return pol.param_dtype == _F32 and pol.compute_dtype in (_F16, _BF16)
+
+
+def norm_policy(pol: Policy) -> Policy | None:
+    """The policy norm layers take by default under ``pol`` (None: the same as ``pol``)."""
+    return Policy(_F32, _F32, pol.output_dtype) if keeps_norms_fp32(pol) else None
+
 
 def module_policies(
     model: torch.nn.Module,
     default: str | Policy,
     overrides: Mapping[ModuleKey, str | Policy] | None = None,
+    keep_norms_fp32: bool = True,
 ) -> dict[str, Policy]:
     """A policy for every parameter of ``model``, with per-module overrides.
 
@@ -200,12 +223,18 @@ def module_policies(
     ``isinstance`` (``torch.nn.LayerNorm``, a tuple of classes is not accepted: give one
     key per class), a string matches the module's dotted name with :mod:`fnmatch`
     (``"encoder.*"``, ``"*.norm"``; ``""`` is the root module). Modules no key matches
-    take ``default``.
+    take ``default``, except norm layers (:data:`NORM_LAYERS`: BatchNorm, InstanceNorm,
+    LayerNorm, GroupNorm, RMSNorm) under a mixed ``default`` with float32 params (the
+    mixed presets): those stay in float32 (``Policy(f32, f32, output)``), as with Apex's
+    ``keep_batchnorm_fp32`` and torch.autocast. An override that matches a norm layer
+    wins (``{torch.nn.LayerNorm: "bf16-mixed"}`` casts LayerNorms again).
 
     Args:
         model: the module.
         default: the policy (or spec) for parameters no override matches.
         overrides: a mapping from module class or name pattern to policy (or spec).
+        keep_norms_fp32: keep unmatched norm layers in float32 under mixed defaults
+            (False: they take ``default`` like any other module).
 
     Returns:
         A dict from parameter name (as in ``model.named_parameters()``) to :class:`Policy`.
@@ -227,6 +256,8 @@ def module_policies(
                              f"or an fnmatch pattern string over module names")
         rules.append((key, get_policy(spec)))
 
+    norm = norm_policy(base) if keep_norms_fp32 else None
+
     def pick(name: str, module: torch.nn.Module) -> Policy:
         for key, pol in rules:
             if isinstance(key, str):
@@ -234,6 +265,8 @@ def module_policies(
                     return pol
             elif isinstance(module, key):
                 return pol
+        if norm is not None and isinstance(module, NORM_LAYERS):
+            return norm
         return base
 
     out: dict[str, Policy] = {}

@@ -9,9 +9,11 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fmp import _model
 from fmp._batch_cast import CastBatch, cast_batch_args, check_cast_batch, warn_cast_overflow
 from fmp._checks import check_loss_scale, check_param_policies
 from fmp._compute_copy import current_copy, stamp
+from fmp._donation import claim, private
 from fmp._fused import (
     check_and_unscale_owned_,
     eager_kernels_ok,
@@ -87,9 +89,12 @@ class TrainState(NamedTuple):
                             f"{type(loss_scale).__name__}")
         leaves = floating_leaves(params)
         device = leaves[0].device if leaves else torch.device("cpu")
+        opt_state = optimizer.init(params)
+        given = {id(x) for x in optree.tree_leaves(params)}
+        claim([x for x in optree.tree_leaves(opt_state) if id(x) not in given])
         return cls(
             params=params,
-            opt_state=optimizer.init(params),
+            opt_state=opt_state,
             loss_scale=loss_scale.to(device),
             step=torch.zeros((), dtype=torch.int64, device=device),
             model_state=model_state,
@@ -142,6 +147,7 @@ class _Phases(NamedTuple):
     update_phase: Callable[..., Any]  # (state, batch, grads, loss, aux, ms) -> (state, m)
     run: Callable[..., Any]  # (state, batch, scaled_loss, update_phase) -> (state, m)
     prepare: Callable[..., Any]  # state -> state with a current compute copy (or None)
+    private: Callable[..., Any]  # state -> state a donated step may write into (eager)
 
 
 def _autocast_ctx(params: Any, compute_dtype: torch.dtype, enabled: bool):
@@ -172,7 +178,8 @@ def value_and_grad(
 
     The returned ``fn(params, loss_scale, *args, **kwargs)``:
 
-    1. casts ``params`` to the compute dtype (per parameter with ``param_policies``) and
+    1. casts ``params`` to the compute dtype (per parameter with ``param_policies``; norm
+       layers of an :func:`fmp.functional` module stay float32 under mixed presets) and
        the floating leaves of ``args``/``kwargs`` to the policy's compute dtype;
     2. calls ``loss_fn(cast_params, *cast_args, **cast_kwargs)``, inside ``torch.autocast``
        when ``autocast=True`` (op-level cast lists, as Apex O1);
@@ -215,7 +222,8 @@ def value_and_grad(
     check_param_policies(param_policies, "value_and_grad")
     pol = get_policy(policy)
     cast_batch = check_cast_batch(cast_batch)
-    scaled_loss = _scaled_loss_fn(loss_fn, pol, has_aux, autocast, param_policies, cast_batch)
+    cast_p = _Caster(pol, param_policies)
+    scaled_loss = _scaled_loss_fn(loss_fn, pol, has_aux, autocast, cast_p, cast_batch)
     first = [True]
 
     def fn(params: Any, loss_scale: Any, *args: Any, **kwargs: Any):
@@ -224,6 +232,7 @@ def value_and_grad(
             first[0] = False
             warn_cast_overflow(args, kwargs, pol.compute_dtype, cast_batch,
                                "fmp.value_and_grad")
+        cast_p.resolve(params)  # norm layers of an fmp.functional module: float32
         grads, (loss, aux) = grad_with_aux(
             lambda p: scaled_loss(p, loss_scale, (), args, kwargs, True), params)
         grads = loss_scale.unscale(grads)
@@ -233,30 +242,57 @@ def value_and_grad(
     return fn
 
 
-def _param_caster(pol: Policy, param_policies: Mapping[str, Policy] | None
-                  ) -> Callable[[Any], Any]:
-    """The cast of a params tree to its compute dtypes (per param with ``param_policies``)."""
-    if param_policies is not None:
-        return lambda p: cast_params(p, param_policies, "compute")
-    return pol.cast_to_compute
+class _Caster:
+    """The cast of a params tree to its compute dtypes (per param with ``param_policies``).
+
+    Without ``param_policies`` and under a mixed policy with float32 params, the params of
+    norm layers stay in float32 when the params dict matches a module given to
+    :func:`fmp.functional` (:func:`fmp._model.default_param_policies`, looked up in eager
+    mode whenever the dict's names change). One object per step: its identity is what the
+    compute copy's stamps record.
+    """
+
+    def __init__(self, pol: Policy, param_policies: Mapping[str, Policy] | None) -> None:
+        self.pol = pol
+        self.given = param_policies
+        self.policies = param_policies
+        self._names: tuple[Any, ...] | None = None
+
+    def resolve(self, params: Any) -> None:
+        """Find the default per-param policies for ``params`` (eager, host side)."""
+        if self.given is not None or torch.compiler.is_compiling():
+            return
+        names = tuple(params) if isinstance(params, Mapping) else None
+        if names != self._names:
+            self.policies = _model.default_param_policies(params, self.pol)
+            self._names = names
+
+    def __call__(self, p: Any) -> Any:
+        if self.policies is not None:
+            return cast_params(p, self.policies, "compute")
+        return self.pol.cast_to_compute(p)
 
 
 def _scaled_loss_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, autocast: bool,
-                    param_policies: Mapping[str, Policy] | None,
-                    cast_batch: CastBatch = True) -> Callable[..., Any]:
+                    cast_p: _Caster, cast_batch: CastBatch = True,
+                    skip_safe: bool = False) -> Callable[..., Any]:
     """``f(params, loss_scale, lead, args, kwargs, cast) -> (scaled_loss, (loss32, aux))``.
 
     ``lead`` is passed to ``loss_fn`` before the batch and is not cast (model state);
     ``cast=False``: ``params`` are already in their compute dtypes (the step's copy).
     """
-    cast_p = _param_caster(pol, param_policies)
-
     def scaled_loss(p: Any, loss_scale: Any, lead: tuple[Any, ...], args: tuple[Any, ...],
                     kwargs: dict[str, Any], cast: bool):
         cp = cast_p(p) if cast else p
         cargs, ckwargs = cast_batch_args(args, kwargs, pol.compute_dtype, cast_batch)
-        with _autocast_ctx(p, pol.compute_dtype, autocast):
-            out = loss_fn(cp, *lead, *cargs, **ckwargs)
+        act = _model.ACTIVE  # what apply_fn reads: how to cast the frozen params
+        prev = (act.policy, act.param_policies, act.skip_safe)
+        act.policy, act.param_policies, act.skip_safe = pol, cast_p.policies, skip_safe
+        try:
+            with _autocast_ctx(p, pol.compute_dtype, autocast):
+                out = loss_fn(cp, *lead, *cargs, **ckwargs)
+        finally:
+            act.policy, act.param_policies, act.skip_safe = prev
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise ValueError("with has_aux=True, loss_fn must return (loss, aux), got "
@@ -388,6 +424,19 @@ def _donate_into(old: Any, new: Any) -> Any:
     return old
 
 
+def _private_state(state: TrainState) -> TrainState:
+    """``state`` whose params, optimizer and model state a donated step may write into: a
+    copy of every tensor no fmp step handed out (the module's, another state's)."""
+    params, opt_state = private(state.params), private(state.opt_state)
+    model_state = private(state.model_state)
+    if (params is state.params and opt_state is state.opt_state
+            and model_state is state.model_state):
+        return state
+    return state._replace(params=params, opt_state=opt_state, model_state=model_state,
+                          compute_params=(state.compute_params if params is state.params
+                                          else None))
+
+
 def train_step(
     loss_fn: Callable[..., Any],
     optimizer: GradientTransformation,
@@ -424,7 +473,13 @@ def train_step(
             grads are summed in float32 and averaged, then one update is made (equal to one
             step on the whole batch with a mean loss). The loss scale moves once per step.
         donate: write the new params, optimizer state and model state into the input
-            state's tensors in place (saves memory; the input state is consumed). With
+            state's tensors in place (saves memory; the input state is consumed, and so is
+            any state made from it with ``_replace``). Only tensors a donated step
+            returned (and the fresh optimizer state of ``TrainState.create``) are written
+            into: the first donated call copies the others once (params and buffers from
+            :func:`fmp.functional`, which share storage with the module, a tree another
+            state also holds, a pure step's output), so the module and other states keep
+            their values. With
             :func:`fmp.optim.sgd`, :func:`~fmp.optim.adam` or :func:`~fmp.optim.adamw` on
             uniform-dtype trees this runs torch's fused kernel, which unscales, updates and
             skips in one pass.
@@ -438,9 +493,15 @@ def train_step(
             tensor leaf stacked along a new leading dim of size k (``aux["acc"].mean()`` is
             the batch's), each other leaf a tuple of the k values.
         has_state: ``loss_fn`` takes and returns model state (``TrainState.model_state``);
-            a skipped step keeps the old model state.
+            a skipped step keeps the old model state. Models whose forward updates
+            buffers (BatchNorm in training mode) need it: an ``apply_fn`` from
+            :func:`fmp.functional` raises inside the step when it would update the
+            module's buffers (or given ones) in place, which a skipped step could not undo.
         autocast: also run ``loss_fn`` under ``torch.autocast`` at the compute dtype.
-        param_policies: per-parameter policies (from :func:`fmp.module_policies`).
+        param_policies: per-parameter policies (from :func:`fmp.module_policies`). None:
+            ``policy`` for every param, except that under a mixed policy with float32
+            params the norm layers of a module given to :func:`fmp.functional` (found by
+            the params' names and shapes) keep float32, as ``module_policies`` does.
         compute_copy: where the policy casts params to another compute dtype, keep the cast
             params in ``TrainState.compute_params``, written by the update (fused with the
             param write when compiled), so the next forward reads them instead of casting
@@ -532,8 +593,9 @@ def train_step(
         loss, new_ms, a = split_out(loss_fn(p, *rest))
         return loss, (new_ms, a)
 
-    scaled_loss = _scaled_loss_fn(wrapped, pol, True, autocast, param_policies, cast_batch)
-    cast_p = _param_caster(pol, param_policies)
+    cast_p = _Caster(pol, param_policies)
+    scaled_loss = _scaled_loss_fn(wrapped, pol, True, autocast, cast_p, cast_batch,
+                                  skip_safe=True)
     # params are checked to be in their param dtypes, so whether the cast changes any of
     # them is known now: where it changes none there is no copy to keep or check
     pols = [pol] if param_policies is None else list(param_policies.values())
@@ -645,6 +707,9 @@ def train_step(
         """The step, with the scaled loss and the update phase given (fmp.compile passes
         compiled ones)."""
         _check_param_dtypes(state.params, pol, param_policies)
+        cast_p.resolve(state.params)
+        if donate and not torch.compiler.is_compiling():
+            state = _private_state(state)
         if first_call[0] and not torch.compiler.is_compiling():
             first_call[0] = False
             warn_cast_overflow(batch, {}, pol.compute_dtype, cast_batch, "fmp.train_step")
@@ -668,5 +733,14 @@ def train_step(
     def step(state: TrainState, *batch: Any) -> tuple[TrainState, dict[str, Any]]:
         return run(state, batch, scaled_loss, update_phase)
 
-    step._fmp_phases = _Phases(scaled_loss, update_phase, run, prepare)  # type: ignore[attr-defined]
+    def private(state: TrainState) -> TrainState:
+        """The host-side work a step traced whole cannot do (:func:`fmp.compile` and
+        :func:`fmp.cuda_graph` call this first): find the default per-param policies, and
+        copy the tensors a donated step must not write into."""
+        if isinstance(state, TrainState):
+            cast_p.resolve(state.params)
+        return _private_state(state) if donate and isinstance(state, TrainState) else state
+
+    step._fmp_phases = _Phases(scaled_loss, update_phase, run, prepare,  # type: ignore[attr-defined]
+                               private)
     return step

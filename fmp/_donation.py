@@ -1,0 +1,50 @@
+"""Which tensors a donated step may write into: those only fmp has handed out.
+
+``train_step(..., donate=True)`` writes the new params, optimizer state and model state
+into the input state's tensors. That is safe for tensors a donated step returned (the
+caller consumes the state it passes in) and for the fresh optimizer state of
+``TrainState.create``, not for tensors that came from elsewhere: the params and
+buffers of :func:`fmp.functional` share storage with the module, and two states made from
+one params tree share them with each other. A donated step therefore copies, once, every
+such tensor it has not handed out itself; the copies are its own from then on, and the
+module and the other states keep their values.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import optree
+import torch
+
+__all__ = ["claim", "private"]
+
+#: id -> weak reference of each tensor a step (or TrainState.create, for fresh optimizer
+#: state) handed out; an entry goes when its tensor does (a plain dict: a lookup is cheap)
+_OWNED: dict[int, weakref.ref] = {}
+
+
+def _owned(x: torch.Tensor) -> bool:
+    r = _OWNED.get(id(x))
+    return r is not None and r() is x
+
+
+def claim(*trees: Any) -> None:
+    """Record the tensor leaves of ``trees`` as handed out by fmp (no one else holds them)."""
+    for tree in trees:
+        for x in optree.tree_leaves(tree):
+            if isinstance(x, torch.Tensor) and not _owned(x):
+                k = id(x)
+                _OWNED[k] = weakref.ref(x, lambda r, k=k: _OWNED.get(k) is r and _OWNED.pop(k))
+
+
+def private(tree: Any) -> Any:
+    """``tree`` with a copy of every tensor leaf fmp did not hand out (none: ``tree``)."""
+    leaves, spec = optree.tree_flatten(tree)
+    if all(not isinstance(x, torch.Tensor) or _owned(x) for x in leaves):
+        return tree
+    new = [x.clone() if isinstance(x, torch.Tensor) and not _owned(x) else x
+           for x in leaves]
+    claim(new)
+    return optree.tree_unflatten(spec, new)
