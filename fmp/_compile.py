@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -43,11 +44,51 @@ def inductor_workarounds() -> dict[str, Any]:
 STEP_OPTIONS: dict[str, Any] = {"combo_kernels": True}
 
 
-def _split_step(phases: Any, kwargs: dict[str, Any]) -> Callable[..., Any]:
+def _graph_break_errors() -> tuple[type[BaseException], ...]:
+    """The exception dynamo raises where ``fullgraph=True`` meets a graph break."""
+    exc = getattr(getattr(torch, "_dynamo", None), "exc", None)
+    err = getattr(exc, "Unsupported", None)
+    return (err,) if isinstance(err, type) else ()
+
+
+class _LossGraph:
+    """The compiled scaled loss: fullgraph first; on a graph break, once, a warning naming
+    the break and a recompile that allows breaks (``loss_fullgraph=None``)."""
+
+    def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any],
+                 loss_fullgraph: bool | None) -> None:
+        self.fn, self.kwargs, self.fallback = fn, kwargs, loss_fullgraph is None
+        full = kwargs.get("fullgraph", True) if loss_fullgraph is None else loss_fullgraph
+        self.fallback = self.fallback and bool(full)
+        self.compiled = torch.compile(fn, **{**kwargs, "fullgraph": bool(full)})
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.fallback:
+            return self.compiled(*args)
+        try:
+            return self.compiled(*args)
+        except _graph_break_errors() as e:
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            where = next((ln for ln in reversed(lines) if ln.startswith("File ")), "")
+            warnings.warn(
+                f"fmp.compile: the loss graph breaks ({lines[0] if lines else e!r}"
+                f"{'; last frame: ' + where if where else ''}); compiling the loss phase "
+                "with fullgraph=False, the update graph stays fullgraph. Pass "
+                "loss_fullgraph=False to allow the breaks without this warning, or True to "
+                "raise instead",
+                stacklevel=3,
+            )
+            self.fallback = False
+            self.compiled = torch.compile(self.fn, **{**self.kwargs, "fullgraph": False})
+            return self.compiled(*args)
+
+
+def _split_step(phases: Any, kwargs: dict[str, Any], loss_fullgraph: bool | None = None
+                ) -> Callable[..., Any]:
     """A train step as two compiled graphs: the scaled loss (AOTAutograd splits its forward
     and backward; autograd runs the backward) and the update (unscale, check, optimizer,
     select, loss scale)."""
-    loss_c = torch.compile(phases.scaled_loss, **kwargs)
+    loss_c = _LossGraph(phases.scaled_loss, kwargs, loss_fullgraph)
     update_c = torch.compile(phases.update_phase, **kwargs)
 
     def step(state: Any, *batch: Any) -> Any:
@@ -57,7 +98,7 @@ def _split_step(phases: Any, kwargs: dict[str, Any]) -> Callable[..., Any]:
 
 
 def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
-            **kwargs: Any) -> Callable[..., Any]:
+            loss_fullgraph: bool | None = None, **kwargs: Any) -> Callable[..., Any]:
     """Compile a train step (or any function) with torch.compile and fmp's workarounds.
 
     A step from :func:`fmp.train_step` (the function it returns, not a wrapper around it)
@@ -67,8 +108,13 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
     10.3 GB at the peak against 8.5) and autograd runs, then the update (unscale, finite
     check, optimizer, skip select, loss-scale adjustment, donation). Both are
     ``fullgraph=True``; neither synchronises the host, and the pair can be captured in one
-    CUDA graph. ``whole_graph=True`` compiles the step as one graph instead
-    (``torch.func.grad`` traced inside it), as any other ``fn`` is compiled:
+    CUDA graph. A loss that dynamo cannot trace whole (third-party models: a logging call
+    inside Hugging Face transformers' loss, a ``print``) would fail under
+    ``fullgraph=True``; by default (``loss_fullgraph=None``) the loss phase then warns once,
+    naming the break, and is recompiled with ``fullgraph=False`` (its pieces compiled, the
+    break run eagerly); the update graph stays ``fullgraph=True`` and sync-free.
+    ``whole_graph=True`` compiles the step as one graph instead (``torch.func.grad``
+    traced inside it), as any other ``fn`` is compiled:
     ``torch.compile(fn, fullgraph=True, **kwargs)``. Both give the eager step's results.
     The two-graph form also turns on inductor's horizontal fusion of small kernels
     (``STEP_OPTIONS``).
@@ -80,7 +126,10 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
     Args:
         fn: the function to compile, typically a step from :func:`fmp.train_step`.
         whole_graph: compile an fmp train step as one graph (forward, backward and update
-            in one inductor graph, no partitioner).
+            in one inductor graph, no partitioner); the loss must then trace whole.
+        loss_fullgraph: for the two-graph step, the loss phase's ``fullgraph``: None
+            (default) tries True and falls back to False with a warning on a graph break;
+            True raises on a break; False allows breaks silently.
         **kwargs: passed to ``torch.compile`` (``fullgraph`` defaults to True here).
 
     Returns:
@@ -95,7 +144,7 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
     phases = getattr(fn, "_fmp_phases", None)
     patch = inductor_workarounds()
     if phases is not None and not whole_graph:
-        compiled = _split_step(phases, kwargs)
+        compiled = _split_step(phases, kwargs, loss_fullgraph)
         patch.update(STEP_OPTIONS)
     else:
         compiled = torch.compile(fn, **kwargs)

@@ -181,3 +181,29 @@ def test_compiled_step_with_float64_and_an_empty_param():
         assert not bool(mc["skipped"])
         for k in eager.params:
             torch.testing.assert_close(comp.params[k], eager.params[k], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize(("policy", "dtype"), [(F64, torch.float64), ("bf16-mixed",
+                                                                      torch.float32)])
+def test_cuda_float64_and_empty_params_train_without_a_host_sync(policy, dtype, donate):
+    net = Net(dtype, empty=True).cuda()
+    apply_fn, params, _ = fmp.functional(net)
+    # a scheduled rate too: its check (schedule_ok) must not sync either
+    opt = optim.adamw(lambda c: 1e-2 / (1.0 + c.to(torch.float32)), weight_decay=0.1)
+    state = fmp.TrainState.create(clone_tree(params), opt, fmp.DynamicLossScale.create())
+    step = fmp.train_step(lambda p, x, y: F.cross_entropy(apply_fn(p, x).float(), y), opt,
+                          policy, donate=donate)
+    x, y = (t.cuda() for t in _data(dtype))
+    state, _ = step(state, x, y)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            state, m = step(state, x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not bool(m["skipped"]) and bool(m["lr_ok"])
+    assert state.params["adapter"].shape == (0, 4)
+    assert all(bool(torch.isfinite(v).all()) for v in state.params.values())
