@@ -92,5 +92,7 @@ def train(level: str, data: DigitsSplit, cfg: Any, device: torch.device,
     with torch.no_grad():
         logits = model(data.x_test).float()
     accuracy = 100.0 * (logits.argmax(-1) == data.y_test).float().mean().item()
+    if hasattr(amp, "_deactivate"):  # O1/O4 casts act process-wide, as Apex's patches did
+        amp._deactivate()
     return {"losses": losses, "scales": scales, "skipped": skipped, "elapsed": elapsed,
             "accuracy": accuracy}

@@ -597,6 +597,29 @@ class Amp:
             return contextlib.nullcontext()
         return _o1.casts_on()  # [amp14a] the O1 mode casts (on already, unless disabled)
 
+    def _deactivate(self) -> None:
+        """Remove the O1/O4 casts this Amp installed (Apex's ``handle._deactivate()``).
+
+        After an O1 ``initialize`` the casts act on the whole program, as Apex's patches
+        did; a script that goes on without them (an evaluation in float32, another run in
+        the same process) turns them off here. ``amp._amp_state.handle`` is this Amp then,
+        so Apex's ``_amp_state.handle._deactivate()`` works too. A no-op when the casts
+        are off or belong to another Amp or handle.
+
+        Example:
+            >>> from adapters.apex import amp
+            >>> a = amp.Amp()
+            >>> net = a.initialize(torch.nn.Linear(2, 2), opt_level="O4", verbosity=0)
+            >>> (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+            torch.bfloat16
+            >>> a._deactivate()
+            >>> (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+            torch.float32
+        """
+        mode = _o1.current()
+        if mode is not None and getattr(mode, "owner", None) is self:
+            _o1.uninstall()
+
     def disable_casts(self) -> contextlib.AbstractContextManager[Any]:
         """A context in which autocast's casts are off (Apex's ``amp.disable_casts()``).
 
