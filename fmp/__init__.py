@@ -16,7 +16,7 @@ from fmp.loss_scale import (
     StaticLossScale,
     loss_scale_from_state_dict,
 )
-from fmp.policy import PRESETS, Policy, cast_params, get_policy, module_policies
+from fmp.policy import NORM_LAYERS, PRESETS, Policy, cast_params, get_policy, module_policies
 from fmp.step import TrainState, train_step, value_and_grad
 from fmp.tree import all_finite, cast_tree, select_tree
 
@@ -25,6 +25,7 @@ checkpoint.register_safe_globals()
 __version__ = "0.1.0"
 
 __all__ = [
+    "NORM_LAYERS",
     "PRESETS",
     "DynamicLossScale",
     "GraphedStep",
