@@ -119,7 +119,7 @@ def test_a_schedule_with_a_bad_rate_skips_the_step(kind, value, donate):
     assert float(state.loss_scale.loss_scale) == scale_before
     # the count did not move, so the next step reads the bad rate again: a schedule that is
     # bad at one count stays bad until the user changes it; change it and training resumes
-    opt2 = OPTS[kind](0.05)
+    opt2 = OPTS[kind](lambda count: torch.tensor(0.05))  # a schedule: the same state kind
     state2, m2 = fmp.train_step(loss_fn, opt2, "fp32", donate=donate)(state, *batch)
     assert not bool(m2["skipped"])
     assert all(bool(torch.isfinite(v).all()) for v in state2.params.values())
