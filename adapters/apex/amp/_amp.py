@@ -43,6 +43,18 @@ def _as_list(objs: Any, cls: type, what: str) -> tuple[list[Any], bool]:
                    f"them, got {type(objs).__name__}")
 
 
+def _unwrap_larc(objs: Any) -> Any:
+    """``objs`` with each Apex ``LARC`` wrapper replaced by the optimizer it wraps (amp
+    patches that one; LARC's ``step``/``zero_grad`` call it, as in Apex)."""
+    from adapters.apex.parallel.LARC import LARC
+
+    if isinstance(objs, LARC):
+        return objs.optim
+    if isinstance(objs, list | tuple):
+        return type(objs)(o.optim if isinstance(o, LARC) else o for o in objs)
+    return objs
+
+
 def _first_device(models: list[torch.nn.Module]) -> torch.device:
     for m in models:
         for t in m.parameters():
@@ -203,7 +215,8 @@ class Amp:
         opt_list: list[torch.optim.Optimizer] = []
         one_opt = False
         if optimizers is not None:
-            opt_list, one_opt = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+            opt_list, one_opt = _as_list(_unwrap_larc(optimizers), torch.optim.Optimizer,
+                                         "optimizers")
             if len({id(o) for o in opt_list}) != len(opt_list):
                 raise AmpError("the same optimizer appears twice in the optimizers list")
         if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
@@ -217,7 +230,8 @@ class Amp:
             ms = model_list[0] if one_model else type(models)(model_list)
             if optimizers is None:
                 return ms
-            return ms, (opt_list[0] if one_opt else type(optimizers)(opt_list))
+            outer = [optimizers] if one_opt else list(optimizers)  # LARC comes back as LARC
+            return ms, (outer[0] if one_opt else type(optimizers)(outer))
 
         props: Properties | None = None
         if enabled:
@@ -410,6 +424,7 @@ class Amp:
                            f"optimizer, opt_level=...) first")
 
     def _record(self, optimizer: Any) -> OptimizerRecord:
+        optimizer = _unwrap_larc(optimizer)
         rec = getattr(optimizer, "_amp_stash", None)
         if isinstance(rec, OptimizerRecord) and self._session_of(optimizer) is not None:
             return rec
@@ -420,6 +435,7 @@ class Amp:
                        f"initialize of this Amp; pass every optimizer to amp.initialize")
 
     def _optimizer_list(self, optimizers: Any) -> list[torch.optim.Optimizer]:
+        optimizers = _unwrap_larc(optimizers)
         if isinstance(optimizers, torch.optim.Optimizer):
             return [optimizers]
         if isinstance(optimizers, list | tuple) and optimizers and \
@@ -755,6 +771,7 @@ class Amp:
             >>> len(list(Amp.master_params(opt)))
             1
         """
+        optimizer = _unwrap_larc(optimizer)
         rec = getattr(optimizer, "_amp_stash", None)
         if isinstance(rec, OptimizerRecord) and rec.masters is not None:
             rec.masters.sync_from_model()

@@ -22,6 +22,15 @@ class _Required:
 required = _Required()
 
 
+def _torch_required() -> Any:
+    """torch's "required" marker, which ``add_param_group`` checks (ours where absent)."""
+    try:
+        from torch.optim.optimizer import required as torch_required
+    except ImportError:  # pragma: no cover - older/newer torch without it
+        return required
+    return torch_required
+
+
 class FusedSGD(torch.optim.SGD):
     """Apex's FusedSGD: ``torch.optim.SGD`` with Apex's arguments and defaults.
 
@@ -79,7 +88,7 @@ class FusedSGD(torch.optim.SGD):
             group.setdefault("wd_after_momentum", wd_after_momentum)
         self.defaults["wd_after_momentum"] = wd_after_momentum
         if lr is required:  # a group added later without its lr raises, as in Apex
-            self.defaults["lr"] = getattr(torch.optim.optimizer, "required", required)
+            self.defaults["lr"] = _torch_required()
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
         self.set_grad_none = set_grad_none
