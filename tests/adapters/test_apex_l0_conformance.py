@@ -193,3 +193,46 @@ def test_amp_instance_unaffected_by_default_state_writes():
     _init("O2")
     _amp_state.loss_scalers[0]._loss_scale = 8.0
     assert a.loss_scale() == 65536.0
+
+
+# (f) ---------------------------------------------------------------------------------
+F16_ = torch.float16
+
+
+def _overflowing_step(a, model, opt):
+    opt.zero_grad()
+    with a.scale_loss(model(torch.ones(1, 3, dtype=F16_)).float().sum(), opt) as scaled:
+        scaled.backward()
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    opt.step()
+
+
+def test_latest_initialize_scalers_serve_earlier_optimizers_as_apex():
+    """Apex's test_checkpointing.test_restoring: the reference keeps training after a
+    restored copy was initialized; both must then see the same (fresh) loss scale."""
+    a = Amp()
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(3, 1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-3)
+    ref, ref_opt = a.initialize(ref, ref_opt, opt_level="O2", num_losses=2, verbosity=0)
+    _overflowing_step(a, ref, ref_opt)
+    assert a.loss_scale(0) == 32768.0
+    restored = torch.nn.Linear(3, 1)
+    r_opt = torch.optim.SGD(restored.parameters(), lr=1e-3)
+    restored, r_opt = a.initialize(restored, r_opt, opt_level="O2", num_losses=2,
+                                   verbosity=0)
+    restored.load_state_dict(ref.state_dict())
+    r_opt.load_state_dict(ref_opt.state_dict())
+    x = torch.ones(1, 3, dtype=F16_)
+    seen = []
+    for model, opt, loss_id in ((ref, ref_opt, 0), (restored, r_opt, 1)):
+        opt.zero_grad()
+        loss = model(x).float().sum()
+        with a.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+            seen.append(scaled.item() / loss.item())
+            scaled.backward()
+        opt.step()
+    assert seen == [65536.0, 65536.0]
+    for (k, v), (k2, v2) in zip(ref.state_dict().items(), restored.state_dict().items(),
+                                strict=True):
+        assert k == k2 and torch.equal(v, v2)

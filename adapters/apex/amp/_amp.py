@@ -175,10 +175,11 @@ class Amp:
             max_loss_scale: cap of the dynamic scale; it starts at
                 ``min(max_loss_scale, 2**16)``.
 
-        Each call keeps its own state (settings, loss scalers) with its optimizers, as
-        Apex's per-optimizer stash did: optimizers of an earlier call keep working with
-        ``scale_loss`` and their own scalers; ``state_dict``, ``loss_scale`` and
-        ``autocast`` follow the latest call. A model or optimizer passed again with the
+        Each call keeps its own settings with its optimizers, as Apex's per-optimizer
+        stash did: optimizers of an earlier call keep working with ``scale_loss``. The loss
+        scalers are the latest call's for every optimizer (Apex kept them in the global
+        ``_amp_state``, which each call replaced); ``state_dict``, ``loss_scale`` and
+        ``autocast`` follow the latest call too. A model or optimizer passed again with the
         same settings is returned unchanged (a warning is logged). Everything is checked
         first (a checkpoint given to ``load_state_dict`` before, too): a call that raises
         leaves every model and optimizer as it was.
@@ -274,8 +275,8 @@ class Amp:
         # Validated: from here on, change things.
         if self._session is not None and self._session.enabled:
             log.always("amp.initialize called again on this Amp: amp.state_dict(), "
-                       "amp.loss_scale() and amp.autocast() now follow this call; the "
-                       "optimizers of earlier calls keep their own loss scalers")
+                       "amp.loss_scale() and amp.autocast() now follow this call, and its "
+                       "loss scalers serve the optimizers of earlier calls too (as in Apex)")
         self._log = log
         self._session = session
         if props is None:
@@ -456,7 +457,7 @@ class Amp:
         sessions = {id(s): s for s in found}
         if len(sessions) > 1:
             raise AmpError("scale_loss got optimizers from different amp.initialize calls, "
-                           "which keep separate loss scalers; call scale_loss once per "
+                           "which keep separate settings; call scale_loss once per "
                            "initialize call (or initialize them together)")
         session = found[0]
         assert session is not None
@@ -520,6 +521,9 @@ class Amp:
             return
         recs = [self._record(o) for o in opts]
         scalers = session.loss_scalers
+        latest = self._session
+        if latest is not None and latest is not session and latest.enabled:
+            scalers = latest.loss_scalers  # Apex: each initialize replaced the (global) scalers
         if isinstance(loss_id, bool) or not isinstance(loss_id, int) or \
                 not 0 <= loss_id < len(scalers):
             raise AmpError(f"loss_id={loss_id!r} is out of range: initialize was called with "
