@@ -27,12 +27,15 @@ from collections.abc import Sequence
 
 import torch
 
+from adapters.apex._scale_check_overflow import scale_check_overflow
+
 __all__ = [
     "multi_tensor_adam",
     "multi_tensor_axpby",
     "multi_tensor_l2norm",
     "multi_tensor_scale",
     "multi_tensor_sgd",
+    "scale_check_overflow",
     "update_scale_hysteresis",
 ]
 
@@ -279,7 +282,8 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
     above 0 only the growth tracker is reset. Once it reaches 0, the scale is multiplied
     by ``backoff_factor``. After a clean step the growth tracker counts up, and at
     ``growth_interval`` the scale grows by ``growth_factor`` (unless that overflows float32)
-    and the hysteresis tracker is refilled to ``hysteresis``. No host sync.
+    and the hysteresis tracker is refilled to ``hysteresis``. A backed-off scale below the
+    smallest normal float32 becomes 0 (Apex's kernel flushes subnormals). No host sync.
 
     Args:
         current_scale: one-element float32 tensor, updated in place.
@@ -312,7 +316,10 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
     successful = growth_tracker.reshape(()) + 1
     grow = clean & (successful == growth_interval)
     grown = (scale * growth_factor).float()
-    new_scale = torch.where(backoff, scale * backoff_factor,
+    backed = scale * backoff_factor  # Apex's kernel is built with fast math: subnormals flush
+    backed = torch.where(backed.abs() < torch.finfo(torch.float32).tiny,
+                         torch.zeros_like(backed), backed)
+    new_scale = torch.where(backoff, backed,
                             torch.where(grow & torch.isfinite(grown), grown, scale))
     new_growth = torch.where(clean & ~grow, successful, torch.zeros_like(successful))
     new_h = torch.where(found_inf.reshape(()) <= 0, torch.full_like(h, hysteresis), h_new)

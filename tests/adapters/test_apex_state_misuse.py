@@ -67,7 +67,7 @@ def test_amp_state_is_read_only_and_follows_the_latest_call():
     with pytest.raises(AmpError, match="read-only"):
         _amp_state.verbosity = 2
     with pytest.raises(AmpError, match="read-only"):
-        _amp_state.loss_scalers[0]._loss_scale = 1.0
+        _amp_state.hard_override = True  # (a scaler's _loss_scale is writable, as in Apex)
     apex_amp.initialize(make()[0], opt_level="O3", verbosity=1)
     assert _amp_state.opt_properties.opt_level == "O3" and _amp_state.verbosity == 1
     assert not _amp_state.loss_scalers[0].dynamic

@@ -43,6 +43,18 @@ def _as_list(objs: Any, cls: type, what: str) -> tuple[list[Any], bool]:
                    f"them, got {type(objs).__name__}")
 
 
+def _unwrap_larc(objs: Any) -> Any:
+    """``objs`` with each Apex ``LARC`` wrapper replaced by the optimizer it wraps (amp
+    patches that one; LARC's ``step``/``zero_grad`` call it, as in Apex)."""
+    from adapters.apex.parallel.LARC import LARC
+
+    if isinstance(objs, LARC):
+        return objs.optim
+    if isinstance(objs, list | tuple):
+        return type(objs)(o.optim if isinstance(o, LARC) else o for o in objs)
+    return objs
+
+
 def _first_device(models: list[torch.nn.Module]) -> torch.device:
     for m in models:
         for t in m.parameters():
@@ -163,10 +175,11 @@ class Amp:
             max_loss_scale: cap of the dynamic scale; it starts at
                 ``min(max_loss_scale, 2**16)``.
 
-        Each call keeps its own state (settings, loss scalers) with its optimizers, as
-        Apex's per-optimizer stash did: optimizers of an earlier call keep working with
-        ``scale_loss`` and their own scalers; ``state_dict``, ``loss_scale`` and
-        ``autocast`` follow the latest call. A model or optimizer passed again with the
+        Each call keeps its own settings with its optimizers, as Apex's per-optimizer
+        stash did: optimizers of an earlier call keep working with ``scale_loss``. The loss
+        scalers are the latest call's for every optimizer (Apex kept them in the global
+        ``_amp_state``, which each call replaced); ``state_dict``, ``loss_scale`` and
+        ``autocast`` follow the latest call too. A model or optimizer passed again with the
         same settings is returned unchanged (a warning is logged). Everything is checked
         first (a checkpoint given to ``load_state_dict`` before, too): a call that raises
         leaves every model and optimizer as it was.
@@ -203,7 +216,8 @@ class Amp:
         opt_list: list[torch.optim.Optimizer] = []
         one_opt = False
         if optimizers is not None:
-            opt_list, one_opt = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+            opt_list, one_opt = _as_list(_unwrap_larc(optimizers), torch.optim.Optimizer,
+                                         "optimizers")
             if len({id(o) for o in opt_list}) != len(opt_list):
                 raise AmpError("the same optimizer appears twice in the optimizers list")
         if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
@@ -217,7 +231,8 @@ class Amp:
             ms = model_list[0] if one_model else type(models)(model_list)
             if optimizers is None:
                 return ms
-            return ms, (opt_list[0] if one_opt else type(optimizers)(opt_list))
+            outer = [optimizers] if one_opt else list(optimizers)  # LARC comes back as LARC
+            return ms, (outer[0] if one_opt else type(optimizers)(outer))
 
         props: Properties | None = None
         if enabled:
@@ -260,8 +275,8 @@ class Amp:
         # Validated: from here on, change things.
         if self._session is not None and self._session.enabled:
             log.always("amp.initialize called again on this Amp: amp.state_dict(), "
-                       "amp.loss_scale() and amp.autocast() now follow this call; the "
-                       "optimizers of earlier calls keep their own loss scalers")
+                       "amp.loss_scale() and amp.autocast() now follow this call, and its "
+                       "loss scalers serve the optimizers of earlier calls too (as in Apex)")
         self._log = log
         self._session = session
         if props is None:
@@ -410,6 +425,7 @@ class Amp:
                            f"optimizer, opt_level=...) first")
 
     def _record(self, optimizer: Any) -> OptimizerRecord:
+        optimizer = _unwrap_larc(optimizer)
         rec = getattr(optimizer, "_amp_stash", None)
         if isinstance(rec, OptimizerRecord) and self._session_of(optimizer) is not None:
             return rec
@@ -420,6 +436,7 @@ class Amp:
                        f"initialize of this Amp; pass every optimizer to amp.initialize")
 
     def _optimizer_list(self, optimizers: Any) -> list[torch.optim.Optimizer]:
+        optimizers = _unwrap_larc(optimizers)
         if isinstance(optimizers, torch.optim.Optimizer):
             return [optimizers]
         if isinstance(optimizers, list | tuple) and optimizers and \
@@ -440,7 +457,7 @@ class Amp:
         sessions = {id(s): s for s in found}
         if len(sessions) > 1:
             raise AmpError("scale_loss got optimizers from different amp.initialize calls, "
-                           "which keep separate loss scalers; call scale_loss once per "
+                           "which keep separate settings; call scale_loss once per "
                            "initialize call (or initialize them together)")
         session = found[0]
         assert session is not None
@@ -504,6 +521,9 @@ class Amp:
             return
         recs = [self._record(o) for o in opts]
         scalers = session.loss_scalers
+        latest = self._session
+        if latest is not None and latest is not session and latest.enabled:
+            scalers = latest.loss_scalers  # Apex: each initialize replaced the (global) scalers
         if isinstance(loss_id, bool) or not isinstance(loss_id, int) or \
                 not 0 <= loss_id < len(scalers):
             raise AmpError(f"loss_id={loss_id!r} is out of range: initialize was called with "
@@ -778,6 +798,7 @@ class Amp:
             >>> len(list(Amp.master_params(opt)))
             1
         """
+        optimizer = _unwrap_larc(optimizer)
         rec = getattr(optimizer, "_amp_stash", None)
         if isinstance(rec, OptimizerRecord) and rec.masters is not None:
             rec.masters.sync_from_model()

@@ -11,7 +11,9 @@ Here ``_amp_state`` answers from the latest ``initialize`` of the default
 ``loss_scalers`` (each with Apex's ``loss_scale()``, ``dynamic`` and the private counters
 scripts read), ``verbosity``, ``min_loss_scale``/``max_loss_scale``, ``handle`` (the handle
 of ``amp.init`` or of an O1 initialize, where there is one) and Apex's constant flags.
-Writing to it raises: the state changes through ``initialize`` and ``load_state_dict``.
+Writing to it raises (the state changes through ``initialize`` and ``load_state_dict``),
+except Apex's writes its tests and scripts make: ``allow_incoming_model_not_fp32`` and a
+scaler's ``_loss_scale`` / ``_unskipped`` (which take effect on that scaler).
 Before the first ``initialize`` the attributes Apex set there are missing
 (``AttributeError``), as in Apex.
 
@@ -68,6 +70,15 @@ class LossScalerView(_ReadOnly):
     def dynamic(self) -> bool:
         """Whether the scale is dynamic."""
         return bool(self._scaler.dynamic)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Apex's tests and scripts set these two on a scaler after initialize
+        if name == "_loss_scale":
+            self._scaler.set_scale(scale=value)
+        elif name == "_unskipped":
+            self._scaler.set_scale(unskipped=value)
+        else:
+            super().__setattr__(name, value)
 
     @property
     def _loss_scale(self) -> float:
@@ -155,6 +166,16 @@ class AmpStateView(_ReadOnly):
 
     def __init__(self, amp: Any) -> None:
         object.__setattr__(self, "_get", amp)
+        object.__setattr__(self, "_allow_not_fp32", False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "allow_incoming_model_not_fp32":  # Apex's tests set it around initialize
+            if not isinstance(value, bool):
+                raise AmpError(f"_amp_state.allow_incoming_model_not_fp32 must be a bool, "
+                               f"got {value!r}")
+            object.__setattr__(self, "_allow_not_fp32", value)
+        else:
+            super().__setattr__(name, value)
 
     def _session(self, name: str) -> Any:
         session = self._get()._session
@@ -170,8 +191,9 @@ class AmpStateView(_ReadOnly):
 
     @property
     def allow_incoming_model_not_fp32(self) -> bool:
-        """Apex's flag: always False (models are checked by initialize)."""
-        return False
+        """Apex's flag (settable, False until set). In Apex, True let initialize accept
+        models whose params are not float32; here initialize accepts them always."""
+        return bool(self._allow_not_fp32)
 
     @property
     def verbosity(self) -> int:

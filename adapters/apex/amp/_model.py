@@ -15,6 +15,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import fmp
+from adapters.apex.amp._nested import cast_nested
 
 __all__ = ["WrappedForward", "cast_model", "model_device_type", "register_fp32_state_dict"]
 
@@ -129,4 +130,4 @@ class WrappedForward:
             ctx = torch.autocast(model_device_type(self.module), dtype=self.autocast_dtype)
         with ctx:
             out = fwd(*args, **kwargs)
-        return self.policy.cast_to_output(out) if self.cast_outputs else out
+        return cast_nested(out, self.policy.cast_to_output) if self.cast_outputs else out

@@ -216,6 +216,46 @@ class LossScaler:
         """
         self.apply_state(*self.check_state(d))
 
+    def set_scale(self, scale: Any = None, unskipped: Any = None) -> None:
+        """Set the scale and/or the unskipped counter as given (Apex's ``_loss_scale = x``).
+
+        Unlike :meth:`load_state_dict`, a fixed scale takes the new value too, and a dynamic
+        scale is not clamped to its bounds (Apex assigned the attribute as it was).
+
+        Raises:
+            ValueError: ``scale`` is not a positive finite number, or ``unskipped`` is not a
+                non-negative int (nothing is changed then).
+        """
+        if scale is not None:
+            value = _number(scale, False)
+            if value is None or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"loss_scaler{self.index}: _loss_scale must be a positive "
+                                 f"finite number, got {scale!r}")
+            scale = float(value)
+        if unskipped is not None:
+            count = _number(unskipped, True)
+            if count is None or count < 0:
+                raise ValueError(f"loss_scaler{self.index}: _unskipped must be a "
+                                 f"non-negative int, got {unskipped!r}")
+            unskipped = int(count)
+        self.poll(block=True)
+        device = self.record.loss_scale.device
+        if not self.dynamic:
+            if scale is not None:
+                self.record = fmp.StaticLossScale(scale, device=device)
+                self.static_value = scale
+            if unskipped is not None:
+                self.static_unskipped = unskipped
+            return
+        r = self.record
+        assert isinstance(r, fmp.DynamicLossScale)
+        d = r.state_dict()
+        self.record = fmp.DynamicLossScale(
+            d["loss_scale"] if scale is None else scale,
+            d["counter"] if unskipped is None else min(unskipped, r.period - 1), 0,
+            period=r.period, factor=r.factor, min_scale=r.min_scale, max_scale=r.max_scale,
+            hysteresis=r.hysteresis).to(device)
+
     def apply_state(self, scale: float, unskipped: int) -> None:
         """Set the values :meth:`check_state` returned."""
         device = self.record.loss_scale.device

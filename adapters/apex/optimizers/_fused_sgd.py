@@ -22,6 +22,15 @@ class _Required:
 required = _Required()
 
 
+def _torch_required() -> Any:
+    """torch's "required" marker, which ``add_param_group`` checks (ours where absent)."""
+    try:
+        from torch.optim.optimizer import required as torch_required
+    except ImportError:  # pragma: no cover - older/newer torch without it
+        return required
+    return torch_required
+
+
 class FusedSGD(torch.optim.SGD):
     """Apex's FusedSGD: ``torch.optim.SGD`` with Apex's arguments and defaults.
 
@@ -58,8 +67,6 @@ class FusedSGD(torch.optim.SGD):
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
                  set_grad_none: bool = False) -> None:
-        if lr is required:
-            raise ValueError("FusedSGD: lr is required (Apex has no default learning rate)")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError(f"FusedSGD: nesterov=True requires momentum > 0 and dampening "
                              f"== 0, got momentum={momentum!r}, dampening={dampening!r}")
@@ -67,12 +74,21 @@ class FusedSGD(torch.optim.SGD):
             warn_unsupported("FusedSGD", "materialize_master_grads", False,
                              "float32 master grads are always materialized (amp O2)")
         params = materialize(params)
-        super().__init__(params, lr=lr, momentum=momentum, dampening=dampening,
+        default_lr = lr
+        if lr is required:  # as in Apex: fine when every param group gives its own lr
+            groups = params if params and isinstance(params[0], dict) else None
+            if groups is None or any("lr" not in g for g in groups):
+                raise ValueError("FusedSGD: lr is required (Apex has no default learning "
+                                 "rate): pass lr=..., or give every param group its 'lr'")
+            default_lr = groups[0]["lr"]
+        super().__init__(params, lr=default_lr, momentum=momentum, dampening=dampening,
                          weight_decay=weight_decay, nesterov=nesterov,
                          **kernel_kwargs(params))
         for group in self.param_groups:
             group.setdefault("wd_after_momentum", wd_after_momentum)
         self.defaults["wd_after_momentum"] = wd_after_momentum
+        if lr is required:  # a group added later without its lr raises, as in Apex
+            self.defaults["lr"] = _torch_required()
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
         self.set_grad_none = set_grad_none
