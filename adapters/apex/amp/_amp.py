@@ -502,7 +502,7 @@ class Amp:
         Raises:
             AmpError: before initialize, no optimizer (``[]``), ``loss_id`` out of range,
                 an optimizer that this Amp did not initialize, or optimizers of different
-                ``initialize`` calls (they keep separate loss scalers).
+                ``initialize`` calls (they keep separate settings).
 
         Example:
             >>> amp = Amp()
