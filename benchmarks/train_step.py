@@ -349,7 +349,21 @@ def _fresh(device: str) -> int:
     return torch.cuda.memory_allocated()
 
 
+def _drop_apex_casts() -> None:
+    # Apex O1's casts act process-wide (as Apex's patches did): the next variant runs without
+    o1 = sys.modules.get("adapters.apex.amp._o1_install")
+    if o1 is not None:
+        o1.uninstall()
+
+
 def run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
+    try:
+        return _run_variant(model_name, variant, args)
+    finally:
+        _drop_apex_casts()
+
+
+def _run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
     base = _fresh(args.device)
     t0 = time.perf_counter()
     try:
@@ -365,7 +379,7 @@ def run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
             ic.loop_ordering_after_fusion = False
             args._retry = True
             try:
-                r = run_variant(model_name, variant, args)
+                r = _run_variant(model_name, variant, args)
             finally:
                 ic.loop_ordering_after_fusion = True
                 args._retry = False
