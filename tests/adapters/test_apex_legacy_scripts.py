@@ -7,6 +7,7 @@ The ImageNet-style DDP script runs on 2 ranks in tests/distributed/test_apex_leg
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 def _run(script: str, tmp: Path, *args: str, name: str = "out") -> dict:
     out = tmp / f"{name}.pt"
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    # the caller's environment (CUDA, a PYTHONPATH that holds optree), the repo first
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(HERE / script), *args, "--out", str(out)],
                           cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

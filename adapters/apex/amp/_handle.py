@@ -89,13 +89,17 @@ class AmpHandle:
 
     def __init__(self, loss_scale: Any = "dynamic", enable_caching: bool = True,
                  verbose: bool = False, allow_banned: bool = False,
-                 device_type: str | None = None) -> None:
+                 device_type: str | None = None, patch_type: torch.dtype = torch.float16
+                 ) -> None:
+        if patch_type not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"amp.init: patch_type must be torch.float16 or torch.bfloat16, "
+                             f"got {patch_type!r}")
         self._default_scaler: Any = _scaler(loss_scale)
         self._loss_scale = loss_scale
         self._enable_caching = enable_caching
         self._verbose = verbose
         dev = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-        self._mode = O1Mode(torch.float16, dev, allow_banned=allow_banned,
+        self._mode = O1Mode(patch_type, dev, allow_banned=allow_banned,
                             enable_caching=enable_caching, verbose=verbose)
         self._mode.owner = self
         from adapters.apex.amp import default_amp
@@ -322,7 +326,8 @@ class OptimWrapper:
 
 
 def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True,
-         verbose: bool = False, allow_banned: bool = False) -> AmpHandle | NoOpHandle:
+         verbose: bool = False, allow_banned: bool = False,
+         patch_type: torch.dtype = torch.float16) -> AmpHandle | NoOpHandle:
     """Apex's ``amp.init``: turn the O1 casts on (float16) and return the handle.
 
     Args:
@@ -331,12 +336,14 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
         enable_caching: cache the half casts of float32 params.
         verbose: print every cast.
         allow_banned: run ``F.binary_cross_entropy`` in float32 instead of refusing it.
+        patch_type: the low dtype of the casts, ``torch.float16`` or ``torch.bfloat16``
+            (the later Apex releases' argument).
 
     Returns:
         The handle.
 
     Raises:
-        ValueError: a bad ``loss_scale``.
+        ValueError: a bad ``loss_scale`` or ``patch_type``.
 
     Example:
         >>> h = init(enabled=False)
@@ -345,4 +352,5 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
     """
     if not enabled:
         return NoOpHandle()
-    return AmpHandle(loss_scale, enable_caching, verbose, allow_banned)
+    return AmpHandle(loss_scale, enable_caching, verbose, allow_banned,
+                     patch_type=patch_type)

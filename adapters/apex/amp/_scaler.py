@@ -48,7 +48,8 @@ class _Pending:
         self.what = what
         self.event: Any = None
         if values.device.type == "cuda":
-            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host = torch.empty(values.shape, dtype=values.dtype, device="cpu",
+                                    pin_memory=True)
             self.host.copy_(values, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()

@@ -1,0 +1,43 @@
+"""Fixes found by running Apex's own L0 amp tests on the H200 (2026-12-04)."""
+
+import pytest
+import torch
+
+from adapters.apex import amp
+from adapters.apex.amp import _amp_state
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_init_patch_type_picks_the_low_dtype(low):
+    h = amp.init(enabled=True, patch_type=low)
+    try:
+        a = torch.ones(4, 4)
+        assert (a @ a).dtype == low
+        assert torch.nn.functional.softmax(a.to(low), dim=1).dtype == torch.float32
+    finally:
+        h._deactivate()
+    assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+def test_init_patch_type_refuses_other_dtypes():
+    with pytest.raises(ValueError, match=r"patch_type must be torch\.float16 or torch\.bfloat16"):
+        amp.init(enabled=True, patch_type=torch.float64)
+    assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+@pytest.mark.cuda
+def test_loss_scale_write_works_with_a_cuda_default_tensor_type():
+    # Apex's tests set the default tensor type to CUDA, then write the scaler's _loss_scale
+    torch.set_default_device("cuda")
+    try:
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        _amp_state.loss_scalers[0]._loss_scale = 4.0
+        loss = model(torch.ones(2, 4, dtype=torch.float16)).float().sum()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert _amp_state.loss_scalers[0].loss_scale() == 4.0
+    finally:
+        torch.set_default_device(None)
