@@ -41,3 +41,27 @@ def test_loss_scale_write_works_with_a_cuda_default_tensor_type():
         assert _amp_state.loss_scalers[0].loss_scale() == 4.0
     finally:
         torch.set_default_device(None)
+
+
+def test_o1_cast_cache_is_dropped_at_scale_loss_exit():
+    # Apex's cache lived for one scale_loss: a weight changed through .data (no new version
+    # for torch) between two steps is cast afresh in the next forward
+    model = torch.nn.Linear(4, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    a = amp.Amp()
+    model, opt = a.initialize(model, opt, opt_level="O1", loss_scale=1.0, verbosity=0)
+    x = torch.ones(2, 4)
+    try:
+        for _ in range(2):
+            model.weight.grad = None
+            out = model(x)
+            assert out.dtype == torch.float16
+            with a.scale_loss((out.float() ** 2).sum(), opt) as scaled:
+                scaled.backward()
+            w = model.weight.detach().clone()
+            expected = 2 * (x @ w.t()).t() @ x  # d sum((x w^T)^2) / dw
+            torch.testing.assert_close(model.weight.grad.float(), expected.float(),
+                                       rtol=1e-2, atol=1e-2)
+            model.weight.data -= 1.0
+    finally:
+        a._deactivate()

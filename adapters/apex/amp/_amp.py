@@ -55,6 +55,14 @@ def _unwrap_larc(objs: Any) -> Any:
     return objs
 
 
+def _clear_cast_cache() -> None:
+    # As Apex at the end of each scale_loss: the O1 casts of params are made again after
+    # it (a write through .data, which torch does not count as a new version, is then seen)
+    mode = _o1.current()
+    if mode is not None:
+        mode.clear_cache()
+
+
 def _first_device(models: list[torch.nn.Module]) -> torch.device:
     for m in models:
         for t in m.parameters():
@@ -533,6 +541,7 @@ class Amp:
         assert props is not None
         if not props.master_weights and scaler.static_value == 1.0:
             yield loss.float()
+            _clear_cast_cache()
             return
         scaler.to(loss.device)
         scaler.poll()
@@ -544,6 +553,7 @@ class Amp:
             for rec in recs:
                 rec.restore_stash()
             raise
+        _clear_cast_cache()
         if delay_unscale:
             for rec in recs:
                 rec.has_scaled_grads = True
