@@ -65,3 +65,25 @@ def test_o1_cast_cache_is_dropped_at_scale_loss_exit():
             model.weight.data -= 1.0
     finally:
         a._deactivate()
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN])
+def test_o1_rnn_modules_take_a_half_input(cls):
+    # Apex ran nn.RNN/LSTM/GRU in half for a half or float input; torch's module refuses an
+    # input unlike its weights unless autocast is on
+    orig = torch.nn.modules.rnn.RNNBase.check_input
+    rnn = cls(8, 8, num_layers=2, bidirectional=True)
+    h = amp.init(enabled=True)
+    try:
+        for typ in (torch.float32, torch.float16):
+            x = torch.randn(5, 3, 8, dtype=typ).requires_grad_()
+            out, _ = rnn(x)
+            assert out.dtype == torch.float16
+            out[-1].float().sum().backward()
+            assert x.grad.dtype == typ
+        assert rnn.weight_ih_l0.dtype == torch.float32
+    finally:
+        h._deactivate()
+    assert torch.nn.modules.rnn.RNNBase.check_input is orig
+    with pytest.raises(ValueError, match="does not match weight dtype"):
+        rnn(torch.randn(5, 3, 8, dtype=torch.float16))

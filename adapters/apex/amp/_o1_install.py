@@ -84,7 +84,33 @@ def install(mode: O1Mode) -> O1Mode:
     uninstall()
     _rebuild(lambda m: not isinstance(m, O1Mode), mode)
     _CURRENT = mode
+    _patch_rnn_input_check(mode)
     return mode
+
+
+def _patch_rnn_input_check(mode: O1Mode) -> None:
+    """Let ``nn.RNN``/``LSTM``/``GRU`` take a half input beside float32 weights under ``mode``.
+
+    torch's modules refuse an input whose dtype differs from their weights' unless autocast
+    is on; under the O1 casts the RNN runs in half anyway (its ``torch.lstm``-level call is
+    cast, weights and all, as Apex's was), so the check sees the weights' dtype instead.
+    Undone by :func:`uninstall`.
+    """
+    rnn_base = torch.nn.modules.rnn.RNNBase
+    orig = rnn_base.check_input
+
+    @functools.wraps(orig)
+    def check_input(self: Any, input: torch.Tensor, batch_sizes: Any) -> None:
+        weights = getattr(self, "_flat_weights", None)
+        w = weights[0] if weights else None
+        if _CURRENT is mode and getattr(mode, "active", True) and \
+                isinstance(w, torch.Tensor) and input.dtype != w.dtype and \
+                {input.dtype, w.dtype} <= {mode.low, torch.float32}:
+            input = torch.empty(input.shape, dtype=w.dtype, device="meta")
+        return orig(self, input, batch_sizes)
+
+    mode.patches.append((rnn_base, "check_input", orig))
+    rnn_base.check_input = check_input
 
 
 def uninstall() -> None:

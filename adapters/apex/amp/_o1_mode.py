@@ -43,7 +43,8 @@ Differences from Apex that remain:
    mixed dtypes), and ``x **= 2`` on a half ``x`` raises like ``x.pow_(2)``.
 6. The param cache also checks the param's version counter, so a param changed in place
    (a step, ``load_state_dict``) is never served stale; it is also cleared at the end of
-   each ``scale_loss``, as Apex's was, so writes through ``.data`` are seen then. The cache is skipped while ``torch.compile`` traces and under
+   each ``scale_loss``, as Apex's was, so writes through ``.data`` are seen then. The cache
+   is skipped while ``torch.compile`` traces and under
    ``torch.inference_mode``.
 7. Functions registered with ``register_*_function`` after ``initialize`` apply at once
    (Apex: only at the next ``initialize``/``init``); a torch/``F``/``Tensor`` function is
