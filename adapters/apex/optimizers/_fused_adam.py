@@ -10,6 +10,7 @@ import torch
 from adapters.apex import amp_C
 from adapters.apex._warn import warn_unsupported
 from adapters.apex.optimizers._common import kernel_kwargs, materialize, per_param_steps
+from adapters.apex.optimizers._subset import step_groups
 
 __all__ = ["FusedAdam"]
 
@@ -103,13 +104,8 @@ class FusedAdam(torch.optim.Adam):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        groups = self.param_groups
-        self.param_groups = [g for g in groups if g.get("bias_correction", True)]
-        try:
-            if self.param_groups:
-                super().step()
-        finally:
-            self.param_groups = groups
+        step_groups(self, [g for g in self.param_groups if g.get("bias_correction", True)],
+                    super().step)
         for group in plain:
             self._step_without_bias_correction(group)
         return loss

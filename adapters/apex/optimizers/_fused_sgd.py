@@ -10,6 +10,7 @@ import torch
 from adapters.apex import amp_C
 from adapters.apex._warn import warn_unsupported
 from adapters.apex.optimizers._common import kernel_kwargs, materialize
+from adapters.apex.optimizers._subset import step_groups
 
 __all__ = ["FusedSGD"]
 
@@ -106,13 +107,8 @@ class FusedSGD(torch.optim.SGD):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        groups = self.param_groups
-        self.param_groups = [g for g in groups if not g.get("wd_after_momentum", False)]
-        try:
-            if self.param_groups:
-                super().step()
-        finally:
-            self.param_groups = groups
+        step_groups(self, [g for g in self.param_groups
+                           if not g.get("wd_after_momentum", False)], super().step)
         for group in after:
             self._step_wd_after_momentum(group)
         return loss
