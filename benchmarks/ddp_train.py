@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     state = fmp.TrainState.create(params, opt, ls)
     step = fmp.train_step(loss_fn, opt, policy, donate=True, process_group="default")
     if args.compile:
-        step = torch.compile(step, fullgraph=True)
+        step = fmp.compile(step, whole_graph=True)  # one graph; the donation copy first
     n_params = sum(p.numel() for p in params.values())
     if rank == 0:
         say(f"world {world} backend {backend} device {device.type} model {args.model}"

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from fmp._donation import prepared_on_host
+
 __all__ = ["compile", "inductor_workarounds"]
 
 
@@ -152,7 +154,9 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
             whole = compiled  # policies, copies of tensors a donated step must not write
 
             def compiled(state: Any, *batch: Any) -> Any:
-                return whole(phases.private(state), *batch)
+                state = phases.private(state)
+                with prepared_on_host():
+                    return whole(state, *batch)
 
             compiled.__wrapped__ = fn  # type: ignore[attr-defined]
     if not patch:

@@ -18,7 +18,7 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["claim", "private"]
+__all__ = ["claim", "host_prepared", "prepared_on_host", "private"]
 
 #: id -> weak reference of each tensor a step (or TrainState.create, for fresh optimizer
 #: state) handed out; an entry goes when its tensor does (a plain dict: a lookup is cheap)
@@ -48,3 +48,24 @@ def private(tree: Any) -> Any:
            for x in leaves]
     claim(new)
     return optree.tree_unflatten(spec, new)
+
+
+#: True while fmp.compile runs a step traced whole, after its host-side preparation
+#: (:func:`private`): the traced step may then write into the state's tensors
+_HOST_PREPARED = [False]
+
+
+class prepared_on_host:
+    """Within: the state passed to a step traced whole was made private on the host."""
+
+    def __enter__(self) -> None:
+        self._was = _HOST_PREPARED[0]
+        _HOST_PREPARED[0] = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _HOST_PREPARED[0] = self._was
+
+
+def host_prepared() -> bool:
+    """Whether the running (traced) step's state was made private on the host first."""
+    return _HOST_PREPARED[0]

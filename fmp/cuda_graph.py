@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
 
+from fmp._donation import prepared_on_host
 from fmp.step import TrainState, _donate_into
 
 __all__ = ["GraphedStep", "cuda_graph"]
@@ -158,7 +160,9 @@ def cuda_graph(step: Callable[..., Any], state: Any, *batch: Any, warmup: int = 
     static_batch = _clone(batch)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    # the state was made private above: a step traced whole during warm-up may write into it
+    prepared = prepared_on_host() if phases is not None else contextlib.nullcontext()
+    with torch.cuda.stream(side), prepared:
         warm = state if warmup_trains else _clone(state)
         for _ in range(warmup):
             warm, _ = step(warm, *static_batch)
@@ -167,7 +171,8 @@ def cuda_graph(step: Callable[..., Any], state: Any, *batch: Any, warmup: int = 
         del warm
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), (prepared_on_host() if phases is not None
+                                   else contextlib.nullcontext()):
         out, metrics = step(state, *static_batch)
     if isinstance(state, TrainState) and isinstance(out, TrainState) and (
             (state.compute_params is None) != (out.compute_params is None)):

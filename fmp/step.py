@@ -13,7 +13,7 @@ from fmp import _model
 from fmp._batch_cast import CastBatch, cast_batch_args, check_cast_batch, warn_cast_overflow
 from fmp._checks import check_loss_scale, check_param_policies
 from fmp._compute_copy import current_copy, stamp
-from fmp._donation import claim, private
+from fmp._donation import claim, host_prepared, private
 from fmp._fused import (
     check_and_unscale_owned_,
     eager_kernels_ok,
@@ -710,6 +710,12 @@ def train_step(
         cast_p.resolve(state.params)
         if donate and not torch.compiler.is_compiling():
             state = _private_state(state)
+        elif donate and not host_prepared():
+            raise RuntimeError(
+                "a donated fmp.train_step traced whole by torch.compile would write into "
+                "tensors the module or another state still holds (the copy that prevents "
+                "it is host-side work): compile it with fmp.compile(step) (or "
+                "fmp.compile(step, whole_graph=True)), or build it with donate=False")
         if first_call[0] and not torch.compiler.is_compiling():
             first_call[0] = False
             warn_cast_overflow(batch, {}, pol.compute_dtype, cast_batch, "fmp.train_step")
