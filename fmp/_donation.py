@@ -12,7 +12,9 @@ module and the other states keep their values.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import optree
@@ -55,15 +57,14 @@ def private(tree: Any) -> Any:
 _HOST_PREPARED = [False]
 
 
-class prepared_on_host:
+@contextlib.contextmanager
+def prepared_on_host() -> Iterator[None]:
     """Within: the state passed to a step traced whole was made private on the host."""
-
-    def __enter__(self) -> None:
-        self._was = _HOST_PREPARED[0]
-        _HOST_PREPARED[0] = True
-
-    def __exit__(self, *exc: Any) -> None:
-        _HOST_PREPARED[0] = self._was
+    was, _HOST_PREPARED[0] = _HOST_PREPARED[0], True
+    try:
+        yield
+    finally:
+        _HOST_PREPARED[0] = was
 
 
 def host_prepared() -> bool:

@@ -160,9 +160,11 @@ def cuda_graph(step: Callable[..., Any], state: Any, *batch: Any, warmup: int = 
     static_batch = _clone(batch)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    # the state was made private above: a step traced whole during warm-up may write into it
-    prepared = prepared_on_host() if phases is not None else contextlib.nullcontext()
-    with torch.cuda.stream(side), prepared:
+    def prepared() -> contextlib.AbstractContextManager[None]:
+        # the state was made private above: a step traced whole may write into it
+        return prepared_on_host() if phases is not None else contextlib.nullcontext()
+
+    with torch.cuda.stream(side), prepared():
         warm = state if warmup_trains else _clone(state)
         for _ in range(warmup):
             warm, _ = step(warm, *static_batch)
@@ -171,8 +173,7 @@ def cuda_graph(step: Callable[..., Any], state: Any, *batch: Any, warmup: int = 
         del warm
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), (prepared_on_host() if phases is not None
-                                   else contextlib.nullcontext()):
+    with torch.cuda.graph(graph), prepared():
         out, metrics = step(state, *static_batch)
     if isinstance(state, TrainState) and isinstance(out, TrainState) and (
             (state.compute_params is None) != (out.compute_params is None)):

@@ -15,12 +15,3 @@ def _one_thread():
     yield
     torch.set_num_threads(n)
 
-
-@pytest.fixture(autouse=True)
-def _no_o1_mode_left():
-    # [amp14a] the O1 casts of an initialize stay installed (as Apex's patches did):
-    # remove them after each test so that tests do not see each other's
-    yield
-    from adapters.apex.amp import _o1_install
-
-    _o1_install.uninstall()
