@@ -7,8 +7,8 @@ the forward reads the copy, the grads arrive in the compute dtype and the update
 them (the same values the cast's backward gives).
 
 A copy that no longer matches its params would train on old weights without any error, so
-the step uses one only when it can tell it is current: the copy was written by a step of
-this process with the same casts (a stamp kept here, outside the state, so checkpoints and
+the step uses one only when it can tell it is current: the copy was written by this very
+step (a stamp kept in the step's :class:`CopyStamps`, outside the state, so checkpoints and
 pytrees carry none) from these very param tensors, and neither they nor the copy were
 modified in place since (their version counters). Anything else (new params in a replaced
 state, a loaded checkpoint, an in-place edit, a ``tree_map`` over the state) rebuilds the
@@ -27,8 +27,6 @@ import optree
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["current_copy", "stamp"]
-
 _version = operator.attrgetter("_version")
 
 
@@ -40,22 +38,17 @@ class _Stamp:
     that, a check is two tuple comparisons.
     """
 
-    __slots__ = ("alive", "cast", "ids", "refs", "versions")
+    __slots__ = ("alive", "ids", "refs", "versions")
 
-    def __init__(self, cast: Callable[[Any], Any], tensors: list[torch.Tensor],
-                 ids: tuple[int, ...], versions: tuple[int, ...]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], ids: tuple[int, ...],
+                 versions: tuple[int, ...]) -> None:
         self.alive = True
-        self.cast = weakref.ref(cast)
         self.ids = ids
         self.versions = versions
         self.refs = [weakref.ref(t, self._dead) for t in tensors]
 
     def _dead(self, _ref: weakref.ref) -> None:
         self.alive = False
-
-
-#: first cast leaf of a copy -> its stamp (an entry goes with its copy)
-_STAMPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _leaf_pairs(params: Any, copy: Any) -> list[tuple[Any, Any]] | None:
@@ -86,37 +79,47 @@ def _cast_tensors(params: Any, copy: Any) -> list[torch.Tensor] | None:
     return [c for c, _ in pairs] + [p for _, p in pairs]
 
 
-def stamp(params: Any, copy: Any, cast: Callable[[Any], Any]) -> None:
-    """Record that ``copy`` was just written as ``cast(params)`` (by a step's update)."""
-    ts = _cast_tensors(params, copy)
-    if ts is None:
-        return
-    ids, versions = tuple(map(id, ts)), tuple(map(_version, ts))
-    rec = _STAMPS.get(ts[0])
-    if rec is not None and rec.alive and rec.ids == ids and rec.cast() is cast:
-        rec.versions = versions  # the same tensors (a donated step): new versions only
-    else:
-        _STAMPS[ts[0]] = _Stamp(cast, ts, ids, versions)
+class CopyStamps:
+    """The stamps of the compute copies one step wrote (one per step: no process-global
+    registry). ``cast`` is the step's cast of params to compute dtypes."""
 
+    def __init__(self, cast: Callable[[Any], Any]) -> None:
+        self.cast = cast
+        #: first cast leaf of a copy -> its stamp (an entry goes with its copy)
+        self._stamps: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-def _is_current(params: Any, copy: Any, cast: Callable[[Any], Any]) -> bool:
-    ts = _cast_tensors(params, copy)
-    if ts is None:
-        return False
-    rec = _STAMPS.get(ts[0])
-    return (rec is not None and rec.alive and rec.cast() is cast
-            and rec.ids == tuple(map(id, ts)) and rec.versions == tuple(map(_version, ts)))
+    def __len__(self) -> int:
+        return len(self._stamps)
 
+    def stamp(self, params: Any, copy: Any) -> None:
+        """Record that ``copy`` was just written as ``cast(params)`` (by the step's update)."""
+        ts = _cast_tensors(params, copy)
+        if ts is None:
+            return
+        ids, versions = tuple(map(id, ts)), tuple(map(_version, ts))
+        rec = self._stamps.get(ts[0])
+        if rec is not None and rec.alive and rec.ids == ids:
+            rec.versions = versions  # the same tensors (a donated step): new versions only
+        else:
+            self._stamps[ts[0]] = _Stamp(ts, ids, versions)
 
-def current_copy(params: Any, copy: Any, cast: Callable[[Any], Any]) -> Any:
-    """``copy`` if it is current for ``params``, else a new one (``cast(params)``).
+    def _is_current(self, params: Any, copy: Any) -> bool:
+        ts = _cast_tensors(params, copy)
+        if ts is None:
+            return False
+        rec = self._stamps.get(ts[0])
+        return (rec is not None and rec.alive and rec.ids == tuple(map(id, ts))
+                and rec.versions == tuple(map(_version, ts)))
 
-    Returns None when the cast changes no leaf (nothing to keep).
-    """
-    if copy is not None and _is_current(params, copy, cast):
-        return copy
-    new = cast(params)
-    p_leaves = optree.tree_leaves(params)
-    if all(c is p for c, p in zip(optree.tree_leaves(new), p_leaves, strict=True)):
-        return None
-    return new
+    def current_copy(self, params: Any, copy: Any) -> Any:
+        """``copy`` if it is current for ``params``, else a new one (``cast(params)``).
+
+        Returns None when the cast changes no leaf (nothing to keep).
+        """
+        if copy is not None and self._is_current(params, copy):
+            return copy
+        new = self.cast(params)
+        p_leaves = optree.tree_leaves(params)
+        if all(c is p for c, p in zip(optree.tree_leaves(new), p_leaves, strict=True)):
+            return None
+        return new

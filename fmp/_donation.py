@@ -20,8 +20,6 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["claim", "host_prepared", "prepared_on_host", "private"]
-
 #: id -> weak reference of each tensor a step (or TrainState.create, for fresh optimizer
 #: state) handed out; an entry goes when its tensor does (a plain dict: a lookup is cheap)
 _OWNED: dict[int, weakref.ref] = {}

@@ -12,7 +12,7 @@ import torch
 from fmp import _model
 from fmp._batch_cast import CastBatch, cast_batch_args, check_cast_batch, warn_cast_overflow
 from fmp._checks import check_loss_scale, check_param_policies
-from fmp._compute_copy import current_copy, stamp
+from fmp._compute_copy import CopyStamps
 from fmp._donation import claim, host_prepared, private
 from fmp._fused import (
     check_and_unscale_owned_,
@@ -22,12 +22,13 @@ from fmp._fused import (
     owned,
 )
 from fmp._grad import grad_with_aux
+from fmp._step_type import GradReducer, TrainStep
 from fmp.loss_scale import NoOpLossScale
 from fmp.optim import GradientTransformation, apply_updates, schedule_ok
 from fmp.policy import Policy, cast_params, get_policy
 from fmp.tree import all_finite, floating_leaves, select_tree
 
-__all__ = ["TrainState", "train_step", "value_and_grad"]
+__all__ = ["GradReducer", "TrainState", "TrainStep", "build_train_step", "value_and_grad"]
 
 
 class TrainState(NamedTuple):
@@ -140,16 +141,6 @@ class TrainState(NamedTuple):
         return from_state_dict(d)
 
 
-class _Phases(NamedTuple):
-    """A train step's parts, for :func:`fmp.compile` to compile separately."""
-
-    scaled_loss: Callable[..., Any]  # (params, loss_scale, lead, args, kwargs, cast) -> ...
-    update_phase: Callable[..., Any]  # (state, batch, grads, loss, aux, ms) -> (state, m)
-    run: Callable[..., Any]  # (state, batch, scaled_loss, update_phase) -> (state, m)
-    prepare: Callable[..., Any]  # state -> state with a current compute copy (or None)
-    private: Callable[..., Any]  # state -> state a donated step may write into (eager)
-
-
 def _autocast_ctx(params: Any, compute_dtype: torch.dtype, enabled: bool):
     if not enabled or compute_dtype not in (torch.float16, torch.bfloat16):
         return contextlib.nullcontext()
@@ -248,8 +239,8 @@ class _Caster:
     Without ``param_policies`` and under a mixed policy with float32 params, the params of
     norm layers stay in float32 when the params dict matches a module given to
     :func:`fmp.functional` (:func:`fmp._model.default_param_policies`, looked up in eager
-    mode whenever the dict's names change). One object per step: its identity is what the
-    compute copy's stamps record.
+    mode whenever the dict's names change). One object per step, the cast its compute
+    copy's stamps vouch for.
     """
 
     def __init__(self, pol: Policy, param_policies: Mapping[str, Policy] | None) -> None:
@@ -437,13 +428,24 @@ def _private_state(state: TrainState) -> TrainState:
                                           else None))
 
 
-def train_step(
+def check_step_args(optimizer: Any, accumulate: Any,
+                    param_policies: Mapping[str, Policy] | None) -> None:
+    """The checks :func:`fmp.train_step` makes of its arguments before anything else."""
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(f"optimizer must be an fmp.optim.GradientTransformation, got "
+                        f"{type(optimizer).__name__}")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
+    check_param_policies(param_policies, "train_step")
+
+
+def build_train_step(
     loss_fn: Callable[..., Any],
     optimizer: GradientTransformation,
     policy: str | Policy = "fp32",
     accumulate: int = 1,
     donate: bool = False,
-    process_group: Any = None,
+    reducer: GradReducer | None = None,
     *,
     has_aux: bool = False,
     has_state: bool = False,
@@ -451,119 +453,27 @@ def train_step(
     param_policies: Mapping[str, Policy] | None = None,
     compute_copy: bool = True,
     cast_batch: CastBatch = True,
-) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
-    """Build ``step(state, *batch) -> (new_state, metrics)``: one skip-safe update.
+) -> TrainStep:
+    """The step :func:`fmp.train_step` returns, its data parallelism given as ``reducer``.
 
-    The step computes grads with :func:`value_and_grad`, runs the optimizer, and keeps the
-    new params and optimizer state only when every grad is finite (a branch-free
-    ``torch.where`` select, so a skipped step returns them bit-identical). The loss scale
-    adjusts on every step. Nothing in it synchronises the host: it runs under
-    ``torch.cuda.set_sync_debug_mode("error")``, ``torch.compile(fullgraph=True)`` and
-    CUDA-graph capture. A non-finite step is skipped whatever the loss scale (a NaN is
-    never applied, also under ``NoOpLossScale``).
-
-    Args:
-        loss_fn: ``loss_fn(params, *batch) -> loss`` (params already cast to the compute
-            dtype, floating batch leaves too). With ``has_state``: ``loss_fn(params,
-            model_state, *batch) -> (loss, new_model_state)``. With ``has_aux`` the loss is
-            followed by ``aux``: ``(loss, aux)``, or ``(loss, (new_model_state, aux))``.
-        optimizer: a :class:`fmp.optim.GradientTransformation`.
-        policy: a :class:`fmp.Policy` or a spec for :func:`fmp.get_policy`.
-        accumulate: split the batch into this many equal micro-batches along dim 0; their
-            grads are summed in float32 and averaged, then one update is made (equal to one
-            step on the whole batch with a mean loss). The loss scale moves once per step.
-        donate: write the new params, optimizer state and model state into the input
-            state's tensors in place (saves memory; the input state is consumed, and so is
-            any state made from it with ``_replace``). Only tensors a donated step
-            returned (and the fresh optimizer state of ``TrainState.create``) are written
-            into: the first donated call copies the others once (params and buffers from
-            :func:`fmp.functional`, which share storage with the module, a tree another
-            state also holds, a pure step's output), so the module and other states keep
-            their values. With
-            :func:`fmp.optim.sgd`, :func:`~fmp.optim.adam` or :func:`~fmp.optim.adamw` on
-            uniform-dtype trees this runs torch's fused kernel, which unscales, updates and
-            skips in one pass.
-        process_group: a ``torch.distributed`` process group (or ``"default"`` for the
-            default group) to make the step data-parallel: grads are averaged across ranks
-            (:func:`fmp.distributed.all_reduce_grads`, bucketed) and the finite verdict is
-            agreed (:func:`fmp.distributed.all_finite`), so every rank skips together. The
-            reported loss is the local one. None: single process.
-        has_aux: ``loss_fn`` also returns an auxiliary value, returned as ``metrics["aux"]``.
-            With ``accumulate=k > 1`` it holds all k micro-batches' values, in order: each
-            tensor leaf stacked along a new leading dim of size k (``aux["acc"].mean()`` is
-            the batch's), each other leaf a tuple of the k values.
-        has_state: ``loss_fn`` takes and returns model state (``TrainState.model_state``);
-            a skipped step keeps the old model state. Models whose forward updates
-            buffers (BatchNorm in training mode) need it: an ``apply_fn`` from
-            :func:`fmp.functional` raises inside the step when it would update the
-            module's buffers (or given ones) in place, which a skipped step could not undo.
-        autocast: also run ``loss_fn`` under ``torch.autocast`` at the compute dtype.
-        param_policies: per-parameter policies (from :func:`fmp.module_policies`). None:
-            ``policy`` for every param, except that under a mixed policy with float32
-            params the norm layers of a module given to :func:`fmp.functional` (found by
-            the params' names and shapes) keep float32, as ``module_policies`` does.
-        compute_copy: where the policy casts params to another compute dtype, keep the cast
-            params in ``TrainState.compute_params``, written by the update (fused with the
-            param write when compiled), so the next forward reads them instead of casting
-            and the grads come back in the compute dtype, converted in the update. Results
-            are bit-identical to casting every step. The copy is used only when the step
-            can tell it is current: written by this step from these param tensors, neither
-            modified in place since; otherwise it is rebuilt from the params (so replacing
-            or editing params is safe, except writes through ``.data``, which version
-            counters do not see: then pass ``state._replace(compute_params=None)``). Steps
-            traced whole by ``torch.compile`` or run inside a torch.func transform cast
-            every step and return ``compute_params=None``. False: always cast.
-        cast_batch: which batch arguments' floating leaves are cast to the compute dtype:
-            True (all), False (none) or one bool per positional batch argument, e.g.
-            ``(True, False)`` to cast ``x`` and keep a float32 target ``y`` as it is. The
-            first eager call warns (``RuntimeWarning``) when the cast turns a finite
-            value into inf (a float16 target of 70000: every such step would be skipped).
-
-    Returns:
-        ``step(state, *batch) -> (new_state, metrics)``; ``metrics`` is a dict of tensors:
-        ``loss`` (unscaled float32, mean over micro-batches), ``grads_finite`` (bool),
-        ``skipped`` (bool), ``loss_scale`` (float32, the scale after this step's
-        adjustment), ``skipped_total`` (int32), and ``aux`` with ``has_aux``; with a
-        learning-rate schedule also ``lr_ok`` (bool): False when the scheduled rate was inf,
-        NaN or negative, and the step was then skipped (:func:`fmp.optim.schedule_ok`).
-
-    Raises:
-        ValueError: ``accumulate`` is not a positive int; ``cast_batch`` is not a bool or a
-            sequence of bools; a batch's leading size is not divisible by ``accumulate``,
-            or ``cast_batch`` has not one entry per batch argument (when called).
-        TypeError: ``optimizer`` is not a GradientTransformation; ``param_policies`` is
-            not a dict of :class:`fmp.Policy`; (when called) the optimizer state was made by
-            another optimizer.
-        RuntimeError: ``process_group`` is given but torch.distributed is not initialised.
+    Args, Returns and Raises: as :func:`fmp.train_step`, whose ``process_group`` is a
+    ``reducer`` here (an object with ``reduce(grads)`` and ``all_finite(grads)``, see
+    :class:`GradReducer`; None: a single process).
 
     Example:
-        >>> net = torch.nn.Linear(4, 1)
-        >>> apply_fn, params, _ = fmp.functional(net)
-        >>> def loss_fn(p, x, y):
-        ...     return torch.nn.functional.mse_loss(apply_fn(p, x).float(), y)
-        >>> opt = fmp.optim.adamw(1e-2)
-        >>> step = fmp.train_step(loss_fn, opt, "bf16-mixed")
-        >>> state = fmp.TrainState.create(params, opt, fmp.DynamicLossScale.create())
-        >>> state, metrics = step(state, torch.randn(8, 4), torch.randn(8, 1))
+        >>> step = fmp.step.build_train_step(lambda p, x: (p["w"] * x).sum(),
+        ...                                  fmp.optim.sgd(0.1))
+        >>> isinstance(step, fmp.TrainStep)
+        True
     """
-    if not isinstance(optimizer, GradientTransformation):
-        raise TypeError(f"optimizer must be an fmp.optim.GradientTransformation, got "
-                        f"{type(optimizer).__name__}")
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
-    check_param_policies(param_policies, "train_step")
-    reduce_grads = grads_finite = None
-    if process_group is not None:
-        from fmp import distributed as dist_
-
-        group = None if process_group == "default" else process_group
-        dist_.check_group(group)
-
-        def reduce_grads(g: Any) -> Any:
-            return dist_.all_reduce_grads(g, group=group, op="mean")
-
-        def grads_finite(g: Any) -> torch.Tensor:
-            return dist_.all_finite(g, group=group)
+    check_step_args(optimizer, accumulate, param_policies)
+    if reducer is not None and not isinstance(reducer, GradReducer):
+        raise TypeError(f"reducer must have reduce(grads) and all_finite(grads) methods "
+                        f"(an fmp.GradReducer, e.g. fmp.distributed.GroupReducer), got "
+                        f"{type(reducer).__name__}")
+    # the data-parallel hooks: None in a single process
+    reduce_grads = None if reducer is None else reducer.reduce
+    grads_finite = None if reducer is None else reducer.all_finite
     pol = get_policy(policy)
     cast_batch = check_cast_batch(cast_batch)
     first_call = [True]
@@ -594,6 +504,7 @@ def train_step(
         return loss, (new_ms, a)
 
     cast_p = _Caster(pol, param_policies)
+    stamps = CopyStamps(cast_p)  # this step's record of the copies it wrote
     scaled_loss = _scaled_loss_fn(wrapped, pol, True, autocast, cast_p, cast_batch,
                                   skip_safe=True)
     # params are checked to be in their param dtypes, so whether the cast changes any of
@@ -722,22 +633,19 @@ def train_step(
         state = prepare(state)
         new_state, metrics = update_impl(state, batch, *grad_phase(state, batch, loss_impl))
         if state.compute_params is not None:
-            stamp(new_state.params, new_state.compute_params, cast_p)
+            stamps.stamp(new_state.params, new_state.compute_params)
         return new_state, metrics
 
     def prepare(state: TrainState) -> TrainState:
         """``state`` with the compute copy this step will read: its own if current, else
         rebuilt from the params (and stamped); None where no copy is kept."""
         keep = keep_copy and eager_kernels_ok()
-        copy = current_copy(state.params, state.compute_params, cast_p) if keep else None
+        copy = stamps.current_copy(state.params, state.compute_params) if keep else None
         if copy is state.compute_params:
             return state
         if copy is not None:
-            stamp(state.params, copy, cast_p)
+            stamps.stamp(state.params, copy)
         return state._replace(compute_params=copy)
-
-    def step(state: TrainState, *batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        return run(state, batch, scaled_loss, update_phase)
 
     def private(state: TrainState) -> TrainState:
         """The host-side work a step traced whole cannot do (:func:`fmp.compile` and
@@ -747,6 +655,5 @@ def train_step(
             cast_p.resolve(state.params)
         return _private_state(state) if donate and isinstance(state, TrainState) else state
 
-    step._fmp_phases = _Phases(scaled_loss, update_phase, run, prepare,  # type: ignore[attr-defined]
-                               private)
-    return step
+    return TrainStep(scaled_loss=scaled_loss, update_phase=update_phase, run=run,
+                     prepare=prepare, private=private, stamps=stamps)
