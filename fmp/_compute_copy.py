@@ -51,28 +51,29 @@ class _Stamp:
         self.alive = False
 
 
-def _leaf_pairs(params: Any, copy: Any) -> list[tuple[Any, Any]] | None:
-    """(copy leaf, param leaf) pairs; None if the trees differ. A flat dict of tensors (what
-    :func:`fmp.functional` gives) is read directly: optree would sort its keys every step."""
+def _cast_tensors(params: Any, copy: Any) -> list[torch.Tensor] | None:
+    """The copy's cast leaves then their params (leaves that differ); None if trees differ.
+
+    A flat dict of tensors (what :func:`fmp.functional` gives) is read directly, in one
+    pass: optree would sort its keys every step."""
     if type(params) is dict and type(copy) is dict:
         if params.keys() != copy.keys():
             return None
-        pairs = [(copy[k], v) for k, v in params.items()]
-        if all(type(c) is torch.Tensor and type(p) is torch.Tensor for c, p in pairs):
-            return pairs
+        cs, ps = [], []
+        for k, p in params.items():
+            c = copy[k]
+            if type(c) is not torch.Tensor or type(p) is not torch.Tensor:
+                break  # not all plain tensors: the general path below
+            if c is not p:
+                cs.append(c)
+                ps.append(p)
+        else:
+            return cs + ps if cs else None
     p_leaves, spec = optree.tree_flatten(params)
     c_leaves, c_spec = optree.tree_flatten(copy)
     if c_spec != spec:
         return None
-    return list(zip(c_leaves, p_leaves, strict=True))
-
-
-def _cast_tensors(params: Any, copy: Any) -> list[torch.Tensor] | None:
-    """The copy's cast leaves then their params (leaves that differ); None if trees differ."""
-    pairs = _leaf_pairs(params, copy)
-    if pairs is None:
-        return None
-    pairs = [(c, p) for c, p in pairs if c is not p]
+    pairs = [(c, p) for c, p in zip(c_leaves, p_leaves, strict=True) if c is not p]
     if not pairs or not all(isinstance(c, torch.Tensor) and isinstance(p, torch.Tensor)
                             for c, p in pairs):
         return None
@@ -87,12 +88,15 @@ class CopyStamps:
         self.cast = cast
         #: first cast leaf of a copy -> its stamp (an entry goes with its copy)
         self._stamps: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: the stamp the last check found current or the last stamp wrote, else None
+        self._last: _Stamp | None = None
 
     def __len__(self) -> int:
         return len(self._stamps)
 
     def stamp(self, params: Any, copy: Any) -> None:
         """Record that ``copy`` was just written as ``cast(params)`` (by the step's update)."""
+        self._last = None
         ts = _cast_tensors(params, copy)
         if ts is None:
             return
@@ -101,15 +105,29 @@ class CopyStamps:
         if rec is not None and rec.alive and rec.ids == ids:
             rec.versions = versions  # the same tensors (a donated step): new versions only
         else:
-            self._stamps[ts[0]] = _Stamp(ts, ids, versions)
+            rec = self._stamps[ts[0]] = _Stamp(ts, ids, versions)
+        self._last = rec
+
+    def restamp(self) -> None:
+        """:meth:`stamp` for the very trees (the same dicts and tensors) that the last check
+        found current or the last stamp recorded, written in place since (a donated step):
+        their new versions, without walking the trees again."""
+        rec, self._last = self._last, None
+        if rec is not None and rec.alive:
+            rec.versions = tuple(_version(r()) for r in rec.refs)
+            self._last = rec
 
     def _is_current(self, params: Any, copy: Any) -> bool:
+        self._last = None
         ts = _cast_tensors(params, copy)
         if ts is None:
             return False
         rec = self._stamps.get(ts[0])
-        return (rec is not None and rec.alive and rec.ids == tuple(map(id, ts))
-                and rec.versions == tuple(map(_version, ts)))
+        if (rec is not None and rec.alive and rec.ids == tuple(map(id, ts))
+                and rec.versions == tuple(map(_version, ts))):
+            self._last = rec
+            return True
+        return False
 
     def current_copy(self, params: Any, copy: Any) -> Any:
         """``copy`` if it is current for ``params``, else a new one (``cast(params)``).

@@ -39,6 +39,11 @@ def claim(*trees: Any) -> None:
                 _OWNED[k] = weakref.ref(x, lambda r, k=k: _OWNED.get(k) is r and _OWNED.pop(k))
 
 
+def all_owned(tree: Any) -> bool:
+    """Whether fmp handed out every tensor leaf of ``tree`` (:func:`private` is a no-op)."""
+    return all(not isinstance(x, torch.Tensor) or _owned(x) for x in optree.tree_leaves(tree))
+
+
 def private(tree: Any) -> Any:
     """``tree`` with a copy of every tensor leaf fmp did not hand out (none: ``tree``)."""
     leaves, spec = optree.tree_flatten(tree)

@@ -13,7 +13,7 @@ from fmp import _model
 from fmp._batch_cast import CastBatch, cast_batch_args, check_cast_batch, warn_cast_overflow
 from fmp._checks import check_loss_scale, check_param_policies
 from fmp._compute_copy import CopyStamps
-from fmp._donation import claim, host_prepared, private
+from fmp._donation import all_owned, claim, host_prepared, private
 from fmp._fused import (
     check_and_unscale_owned_,
     eager_kernels_ok,
@@ -302,10 +302,11 @@ def _check_param_dtypes(params: Any, pol: Policy,
     """A param stored in another dtype than its policy says is a bug: say so, name it."""
     if param_policies is None:  # the common case, every step: names only for the error
         want = pol.param_dtype
-        leaves = (params.values() if type(params) is dict
-                  and all(type(v) is torch.Tensor for v in params.values())
-                  else optree.tree_leaves(params))
-        if all(v.dtype == want for v in leaves
+        if type(params) is dict and all(  # a dict of tensors (fmp.functional's): one pass
+                type(v) is torch.Tensor and (v.dtype == want or not v.is_floating_point())
+                for v in params.values()):
+            return
+        if all(v.dtype == want for v in optree.tree_leaves(params)
                if isinstance(v, torch.Tensor) and v.is_floating_point()):
             return
     if param_policies is not None and isinstance(params, Mapping):
@@ -405,11 +406,11 @@ def _donate_into(old: Any, new: Any) -> Any:
     ``_foreach_copy_`` converts dtypes: donating params into their compute copy casts them.
     """
     old_leaves, spec = optree.tree_flatten(old)
-    new_leaves = spec.flatten_up_to(new)
-    dst = [o for o, n in zip(old_leaves, new_leaves, strict=True)
-           if isinstance(o, torch.Tensor) and o is not n]
-    src = [n for o, n in zip(old_leaves, new_leaves, strict=True)
-           if isinstance(o, torch.Tensor) and o is not n]
+    dst, src = [], []
+    for o, n in zip(old_leaves, spec.flatten_up_to(new), strict=True):
+        if isinstance(o, torch.Tensor) and o is not n:
+            dst.append(o)
+            src.append(n)
     if dst:
         torch._foreach_copy_(dst, src)
     return old
@@ -418,6 +419,8 @@ def _donate_into(old: Any, new: Any) -> Any:
 def _private_state(state: TrainState) -> TrainState:
     """``state`` whose params, optimizer and model state a donated step may write into: a
     copy of every tensor no fmp step handed out (the module's, another state's)."""
+    if all_owned((state.params, state.opt_state, state.model_state)):
+        return state  # every step after the first: one walk
     params, opt_state = private(state.params), private(state.opt_state)
     model_state = private(state.model_state)
     if (params is state.params and opt_state is state.opt_state
@@ -633,7 +636,11 @@ def build_train_step(
         state = prepare(state)
         new_state, metrics = update_impl(state, batch, *grad_phase(state, batch, loss_impl))
         if state.compute_params is not None:
-            stamps.stamp(new_state.params, new_state.compute_params)
+            if (new_state.params is state.params
+                    and new_state.compute_params is state.compute_params):
+                stamps.restamp()  # donated: the trees prepare checked, written in place
+            else:
+                stamps.stamp(new_state.params, new_state.compute_params)
         return new_state, metrics
 
     def prepare(state: TrainState) -> TrainState:
