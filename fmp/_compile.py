@@ -181,7 +181,8 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
     ``torch._inductor.config.patch``; they do not leak to other compiled code.
 
     Args:
-        fn: the function to compile, typically a step from :func:`fmp.train_step`.
+        fn: the function to compile, typically a step from :func:`fmp.train_step` (a
+            :class:`CompiledStep` is compiled afresh from its step).
         whole_graph: compile an fmp train step as one graph (forward, backward and update
             in one inductor graph, no partitioner); the loss must then trace whole.
         loss_fullgraph: for the two-graph step, the loss phase's ``fullgraph``: None
@@ -200,6 +201,8 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
     """
     kwargs.setdefault("fullgraph", True)
     patch = inductor_workarounds()
+    if isinstance(fn, CompiledStep):  # compiled afresh from its step, with these options
+        fn = fn.step
     if isinstance(fn, TrainStep):
         if whole_graph:
             call = _whole_step(fn, kwargs)

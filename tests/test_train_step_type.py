@@ -64,6 +64,8 @@ def test_cuda_graph_takes_train_steps_compiled_steps_and_plain_functions_as_befo
     assert isinstance(compiled, fmp.CompiledStep) and compiled.step is step
     assert not compiled.whole_graph
     assert fmp.compile(step, whole_graph=True, backend="eager").whole_graph
+    again = fmp.compile(compiled, whole_graph=True, backend="eager")
+    assert isinstance(again, fmp.CompiledStep) and again.step is step and again.whole_graph
     for s in (step, compiled, lambda st, *b: step(st, *b)):
         with pytest.raises(ValueError, match=r"state\.params\['0\.bias'\] is on cpu"):
             fmp.cuda_graph(s, state, x, y, _factor())
