@@ -137,8 +137,9 @@ class DynamicLossScale(Unscaling):
             int_in(counter_t.item(), "counter", 0, period - 1)
         if is_concrete(overflows_t):
             int_in(overflows_t.item(), "overflows", 0, hysteresis - 1)
+        leaves, meta = field_table(DynamicLossScale)
         for name, value in zip(
-            ("loss_scale", "counter", "overflows", *field_table(DynamicLossScale)[1]),
+            (*leaves, *meta),
             (scale_t, counter_t, overflows_t, period, factor, min_scale, max_scale,
              hysteresis),
             strict=True,
@@ -325,7 +326,8 @@ class DynamicLossScale(Unscaling):
             >>> fmp.DynamicLossScale.from_state_dict(ls.state_dict()).min_scale
             0.25
         """
-        check_state_dict(d, cls.__name__, ("type", *field_table(cls)[0], *field_table(cls)[1]))
+        leaves, meta = field_table(cls)
+        check_state_dict(d, cls.__name__, ("type", *leaves, *meta))
         scale = number(d["loss_scale"], "loss_scale")
         out = cls(
             scale,

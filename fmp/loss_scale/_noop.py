@@ -17,10 +17,11 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NoOpLossScale(Unscaling):
-    """No loss scaling: the scale is 1 and every method is the identity.
+    """No loss scaling: the scale is 1; ``scale``, ``adjust`` and ``to`` return their input,
+    and ``unscale`` returns the grads as they are (over one micro-batch).
 
-    The record has no leaves. ``==`` is identity (records are compared by their fields
-    with :meth:`state_dict`).
+    The record has no fields, hence no leaves. ``==`` is identity (records are compared
+    by their fields with :meth:`state_dict`).
 
     Example:
         >>> ls = fmp.NoOpLossScale()
