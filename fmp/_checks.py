@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["check_loss_scale", "check_param_policies"]
-
 
 def check_param_policies(param_policies: Any, fn: str) -> None:
     """``param_policies`` must be None or a mapping from parameter name to ``fmp.Policy``.
@@ -38,12 +36,12 @@ def check_param_policies(param_policies: Any, fn: str) -> None:
 
 
 def check_loss_scale(loss_scale: Any, fn: str) -> None:
-    """``loss_scale`` must be an fmp loss-scale record (with ``scale`` and ``unscale``).
+    """``loss_scale`` must be an fmp loss-scale record (``scale``, ``unscale_and_check``).
 
     Raises:
         TypeError: it is None, a number, or another object; the message names it.
     """
-    if hasattr(loss_scale, "scale") and hasattr(loss_scale, "unscale"):
+    if hasattr(loss_scale, "scale") and hasattr(loss_scale, "unscale_and_check"):
         return
     hint = (f"; for a fixed scale pass fmp.StaticLossScale({loss_scale!r})"
             if isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool)

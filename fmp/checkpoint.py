@@ -30,10 +30,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
+from fmp import _records
 from fmp import loss_scale as _ls
 from fmp import optim as _optim
 
@@ -46,6 +47,7 @@ _NODE = "__fmp_node__"
 _RECORDS: dict[str, type] = {c.__name__: c for c in (
     _optim.SgdState, _optim.AdamState, _optim.TraceState, _optim.EmptyState,
     _optim.ScaleByScheduleState)}
+_LOSS_SCALES: dict[str, type] = {c.__name__: c for c in get_args(_ls.LossScale)}
 _SCALARS = (bool, int, float, str)
 
 
@@ -58,14 +60,8 @@ def _encode(x: Any, path: tuple[str, ...]) -> Any:
         return {_NODE: "None"}
     if isinstance(x, (torch.Tensor, *_SCALARS)):
         return x
-    if isinstance(x, _ls.NoOpLossScale | _ls.StaticLossScale | _ls.DynamicLossScale):
-        out: dict[str, Any] = {_NODE: type(x).__name__}
-        if not isinstance(x, _ls.NoOpLossScale):
-            out["loss_scale"] = x.loss_scale
-        if isinstance(x, _ls.DynamicLossScale):
-            out.update(counter=x.counter, overflows=x.overflows)
-            out.update(zip(x._META, x._meta, strict=True))
-        return out
+    if type(x) in _LOSS_SCALES.values():  # its fields: leaves (tensors), then hyper-parameters
+        return {_NODE: type(x).__name__, **_records.as_dict(x)}
     if type(x).__name__ in _RECORDS and type(x) is _RECORDS[type(x).__name__]:
         return {_NODE: type(x).__name__,
                 **{f: _encode(getattr(x, f), (*path, f)) for f in x._fields}}
@@ -109,14 +105,8 @@ def _decode(x: Any, path: tuple[str, ...]) -> Any:
         return tuple(_children(x, path))
     if kind == "list":
         return _children(x, path)
-    if kind == "NoOpLossScale":
-        return _ls.NoOpLossScale()
-    if kind == "StaticLossScale":
-        return _ls.StaticLossScale._make(x["loss_scale"])
-    if kind == "DynamicLossScale":
-        return _ls.DynamicLossScale._make(
-            x["loss_scale"], x["counter"], x["overflows"],
-            tuple(x[k] for k in _ls.DynamicLossScale._META))  # type: ignore[arg-type]
+    if kind in _LOSS_SCALES:  # the saved tensors as they are (no check, no copy)
+        return _records.from_dict(_LOSS_SCALES[kind], x)
     if kind in _RECORDS:
         cls = _RECORDS[kind]
         missing = [f for f in cls._fields if f not in x and f not in cls._field_defaults]
@@ -215,5 +205,4 @@ def register_safe_globals() -> None:
     add = getattr(torch.serialization, "add_safe_globals", None)
     if add is None:  # torch without the weights_only allowlist
         return
-    add([TrainState, *_RECORDS.values(), _ls.NoOpLossScale, _ls.StaticLossScale,
-         _ls.DynamicLossScale])
+    add([TrainState, *_RECORDS.values(), *_LOSS_SCALES.values()])

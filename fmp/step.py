@@ -14,19 +14,13 @@ from fmp._batch_cast import CastBatch, cast_batch_args, check_cast_batch, warn_c
 from fmp._checks import check_loss_scale, check_param_policies
 from fmp._compute_copy import CopyStamps
 from fmp._donation import all_owned, claim, host_prepared, private
-from fmp._fused import (
-    check_and_unscale_owned_,
-    eager_kernels_ok,
-    fused_step_,
-    fused_supported,
-    owned,
-)
+from fmp._fused import eager_kernels_ok, fused_step_, fused_supported
 from fmp._grad import grad_with_aux
 from fmp._step_type import GradReducer, TrainStep
 from fmp.loss_scale import NoOpLossScale
 from fmp.optim import GradientTransformation, apply_updates, schedule_ok
 from fmp.policy import Policy, cast_params, get_policy
-from fmp.tree import all_finite, floating_leaves, select_tree
+from fmp.tree import floating_leaves, select_tree
 
 __all__ = ["GradReducer", "TrainState", "TrainStep", "build_train_step", "value_and_grad"]
 
@@ -226,8 +220,7 @@ def value_and_grad(
         cast_p.resolve(params)  # norm layers of an fmp.functional module: float32
         grads, (loss, aux) = grad_with_aux(
             lambda p: scaled_loss(p, loss_scale, (), args, kwargs, True), params)
-        grads = loss_scale.unscale(grads)
-        finite = all_finite(grads)
+        grads, finite = loss_scale.unscale_and_check(grads)
         return ((loss, aux) if has_aux else loss), grads, finite
 
     return fn
@@ -353,37 +346,6 @@ def _stack_aux(auxes: list[Any]) -> Any:
         else:
             out.append(tuple(column))
     return optree.tree_unflatten(spec, out)
-
-
-def _device_of(tree: Any) -> torch.device:
-    leaves = floating_leaves(tree)
-    return leaves[0].device if leaves else torch.device("cpu")
-
-
-def _grad_divisor(loss_scale: Any, accumulate: int, grads: Any) -> torch.Tensor | None:
-    """What the summed, scaled grads must be divided by: scale x micro-batches (None: 1)."""
-    if isinstance(loss_scale, NoOpLossScale):
-        if accumulate == 1:
-            return None
-        return torch.full((), float(accumulate), dtype=torch.float32, device=_device_of(grads))
-    s = loss_scale.loss_scale.to(torch.float32)
-    return s if accumulate == 1 else s * float(accumulate)
-
-
-def _own(grads: Any, others: Any) -> Any:
-    """``grads`` with a private copy of any leaf the step does not own (see ``owned``)."""
-    leaves, spec = optree.tree_flatten(grads)
-    return optree.tree_unflatten(spec, owned(leaves, others))
-
-
-def _unscale_check_in_place(grads: Any, loss_scale: Any, accumulate: int
-                            ) -> torch.Tensor | None:
-    """Divide the step's own summed, scaled grads by scale x micro-batches and check them,
-    in one in-place pass; the finite verdict, or None where the kernel does not apply."""
-    divisor = _grad_divisor(loss_scale, accumulate, grads)
-    inv = (torch.ones((), device=_device_of(grads)) if divisor is None
-           else divisor.reciprocal())
-    return check_and_unscale_owned_(optree.tree_leaves(grads), inv, owned_already=True)
 
 
 def _to_f32(g: Any) -> Any:
@@ -558,32 +520,20 @@ def build_train_step(
             # cannot, a read-only check and the fused kernel divides by the scale); torch's
             # fused kernel then updates params and moments in place, or skips on device.
             grads = grad_sum if reduce_grads is None else reduce_grads(grad_sum)
-            grads = _own(grads, (state, batch))
-            finite, divisor = None, None
-            if grads_finite is None:
-                finite = _unscale_check_in_place(grads, state.loss_scale, accumulate)
-            if finite is None:
-                divisor = _grad_divisor(state.loss_scale, accumulate, grads)
-                finite = all_finite(grads) if grads_finite is None else grads_finite(grads)
+            grads, divisor, finite = state.loss_scale.unscale_for_fused(
+                grads, micro_batches=accumulate, protect=(state, batch), check=grads_finite)
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             opt_state = fused_step_(optimizer.fused, state.params, grads, state.opt_state,
                                     divisor, (~finite).to(torch.float32))
             params = state.params
         else:
-            finite = None
-            if reduce_grads is None and eager_kernels_ok():  # the same one-pass unscale
-                grads = _own(grad_sum, (state, batch))
-                finite = _unscale_check_in_place(grads, state.loss_scale, accumulate)
-            if finite is None:
-                grads = state.loss_scale.unscale(grad_sum)
-                if accumulate > 1:
-                    inv_k = 1.0 / accumulate
-                    grads = optree.tree_map(lambda g: g * inv_k, grads)
-                if reduce_grads is not None:
-                    grads = reduce_grads(grads)
-                    finite = grads_finite(grads)
-                else:
-                    finite = all_finite(grads)
+            if reduce_grads is None:  # eager: the same one-pass unscale where it applies
+                grads, finite = state.loss_scale.unscale_and_check(
+                    grad_sum, in_place=eager_kernels_ok(), micro_batches=accumulate,
+                    protect=(state, batch))
+            else:
+                grads = reduce_grads(state.loss_scale.unscale(grad_sum, micro_batches=accumulate))
+                finite = grads_finite(grads)
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
             new_params = apply_updates(state.params, updates)

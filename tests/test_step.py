@@ -475,7 +475,7 @@ def test_fused_step_refuses_grads_laid_out_unlike_their_params():
 
 
 def test_check_and_unscale_owned_refuses_aliases_and_views():
-    from fmp._fused import check_and_unscale_owned_
+    from fmp.loss_scale._inplace import check_and_unscale_owned_
 
     g = torch.ones(4)
     inv = torch.tensor(0.5)

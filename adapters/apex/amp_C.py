@@ -8,7 +8,8 @@ copies to the host, so the kernels run on CPU and CUDA alike and under CUDA grap
 ``chunk_size`` is accepted and unused (torch picks its own launch shape).
 
 Kernels: :func:`multi_tensor_scale`, :func:`multi_tensor_l2norm`, :func:`multi_tensor_axpby`,
-:func:`multi_tensor_adam`, :func:`multi_tensor_sgd`, :func:`update_scale_hysteresis`.
+:func:`multi_tensor_adam`, :func:`multi_tensor_sgd`, :func:`update_scale_hysteresis`,
+:func:`multi_tensor_unscale_l2norm`.
 
 Example:
     >>> from adapters.apex import amp_C
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from adapters.apex._scale_check_overflow import scale_check_overflow
+from adapters.apex._unscale_l2norm import multi_tensor_unscale_l2norm
 
 __all__ = [
     "multi_tensor_adam",
@@ -35,6 +37,7 @@ __all__ = [
     "multi_tensor_l2norm",
     "multi_tensor_scale",
     "multi_tensor_sgd",
+    "multi_tensor_unscale_l2norm",
     "scale_check_overflow",
     "update_scale_hysteresis",
 ]

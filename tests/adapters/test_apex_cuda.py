@@ -73,7 +73,7 @@ def test_fused_optimizer_step_has_no_host_sync(level, opt):
 
 
 def test_bf16_grads_unscale_on_cuda():
-    from adapters.apex.amp._unscale import unscale_and_check_
+    from fmp.loss_scale._inplace import unscale_and_check_
 
     g = [torch.full((4,), 8.0, device="cuda", dtype=torch.bfloat16),
          torch.full((4,), 8.0, device="cuda", dtype=torch.float16)]

@@ -12,7 +12,7 @@ import fmp
 
 MODULES = ["adapters.apex", "adapters.apex.amp", "adapters.apex.amp._amp",
            "adapters.apex.amp._errors", "adapters.apex.amp._opt_levels",
-           "adapters.apex.amp._unscale", "adapters.apex.amp._log", "adapters.apex.amp._scaler",
+           "fmp.loss_scale._inplace", "adapters.apex.amp._log", "adapters.apex.amp._scaler",
            "adapters.apex.amp._master", "adapters.apex.amp._optimizer",
            "adapters.apex.amp._model", "adapters.apex.amp._casts"]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from adapters.apex.amp import Amp
-from adapters.apex.amp import _unscale as unscale_mod
+from fmp.loss_scale import _inplace as unscale_mod
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 

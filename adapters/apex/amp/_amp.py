@@ -559,10 +559,9 @@ class Amp:
                 rec.has_scaled_grads = True
             return
         found_inf = torch.zeros((), dtype=torch.float32, device=scaler.loss_scale.device)
-        inv_scale = scaler.inv_scale()
         meshes: list[Any] = []
         for rec in recs:
-            for mesh in rec.post_backward(inv_scale, found_inf):
+            for mesh in rec.post_backward(scaler.record, found_inf):
                 if not any(mesh is m for m in meshes):
                     meshes.append(mesh)
         if delay_overflow_check:

@@ -23,7 +23,6 @@ import torch
 
 from adapters.apex.amp._errors import AmpError
 from adapters.apex.amp._master import MasterWeights, is_low_precision
-from adapters.apex.amp._unscale import unscale_and_check_
 
 __all__ = ["OptimizerRecord", "is_dtensor"]
 
@@ -134,8 +133,11 @@ class OptimizerRecord:
                 p.grad = s if p.grad is None else p.grad + s
         self._stash = []
 
-    def post_backward(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> list[Any]:
+    def post_backward(self, record: Any, found_inf: torch.Tensor) -> list[Any]:
         """On ``scale_loss`` exit: unscale the new grads (fused check) and add the stash.
+
+        ``record`` (the loss scale the grads were scaled by) unscales them in place and
+        raises ``found_inf`` on inf/NaN (``record.unscale_and_check_``).
 
         DTensor grads (FSDP2) are unscaled and checked through their local shards, so
         ``found_inf`` is this rank's verdict only; the device meshes of such grads are
@@ -175,7 +177,7 @@ class OptimizerRecord:
             if s is not None:
                 targets.append((p, s, g))
         with torch.no_grad():
-            unscale_and_check_(new, inv_scale, found_inf)
+            record.unscale_and_check_(new, found_inf)
             for p, old, g in targets:
                 if p in (self.masters.model_of if self.masters else ()):
                     if old is None:

@@ -113,10 +113,6 @@ class LossScaler:
         if self.record.loss_scale.device != device:
             self.record = self.record.to(device)
 
-    def inv_scale(self) -> torch.Tensor:
-        """``1 / scale`` as a 0-d float32 tensor (computed in float32, like fmp's unscale)."""
-        return torch.reciprocal(self.record.loss_scale)
-
     # ----------------------------------------------------------------------------------
     def update(self, found_inf: torch.Tensor, sync: bool) -> bool:
         """Move the scale after one ``scale_loss`` exit.

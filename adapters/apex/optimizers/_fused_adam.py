@@ -10,7 +10,7 @@ import torch
 from adapters.apex import amp_C
 from adapters.apex._warn import warn_unsupported
 from adapters.apex.optimizers._common import kernel_kwargs, materialize, per_param_steps
-from adapters.apex.optimizers._subset import step_groups
+from adapters.apex.optimizers._subset import step_groups, step_own_groups
 
 __all__ = ["FusedAdam"]
 
@@ -106,8 +106,7 @@ class FusedAdam(torch.optim.Adam):
                 loss = closure()
         step_groups(self, [g for g in self.param_groups if g.get("bias_correction", True)],
                     super().step)
-        for group in plain:
-            self._step_without_bias_correction(group)
+        step_own_groups(self, plain, self._step_without_bias_correction)
         return loss
 
     @torch.no_grad()

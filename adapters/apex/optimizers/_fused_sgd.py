@@ -10,7 +10,7 @@ import torch
 from adapters.apex import amp_C
 from adapters.apex._warn import warn_unsupported
 from adapters.apex.optimizers._common import kernel_kwargs, materialize
-from adapters.apex.optimizers._subset import step_groups
+from adapters.apex.optimizers._subset import step_groups, step_own_groups
 
 __all__ = ["FusedSGD"]
 
@@ -109,8 +109,7 @@ class FusedSGD(torch.optim.SGD):
                 loss = closure()
         step_groups(self, [g for g in self.param_groups
                            if not g.get("wd_after_momentum", False)], super().step)
-        for group in after:
-            self._step_wd_after_momentum(group)
+        step_own_groups(self, after, self._step_wd_after_momentum)
         return loss
 
     @torch.no_grad()
