@@ -279,3 +279,22 @@ def test_gradient_transformation_has_optax_fields_only():
     with pytest.raises(TypeError):
         fo.GradientTransformation(init, update, None)  # no third field any more
     assert "sgd" in repr(opt.update)
+
+
+def test_state_records_pickle_under_the_public_module():
+    """Checkpoints written before fmp.optim became a package name fmp.optim.AdamState."""
+    import io
+    import pickle
+
+    state = fo.adam(amsgrad=True).init({"w": torch.ones(2)})
+    blob = pickle.dumps(state)
+    assert b"fmp.optim" in blob and b"_states" not in blob
+    for cls in (fo.EmptyState, fo.SgdState, fo.AdamState, fo.TraceState,
+                fo.ScaleByScheduleState):
+        assert cls.__module__ == "fmp.optim"
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    assert type(back) is fo.AdamState
+    assert_trees_bit_equal(back, state)

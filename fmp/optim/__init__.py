@@ -28,6 +28,14 @@ through. Leaves are flattened into lists and updated with ``torch._foreach_*`` o
 update is a handful of multi-tensor kernels, not one kernel per tensor. Leaves whose
 dtype differs from the compute dtype are cast one by one (under ``torch.compile`` these
 casts fuse). All leaves are expected on one device.
+
+Fast path. The ``update`` of :func:`sgd` (without dampening), :func:`adam` and
+:func:`adamw` also knows an in-place fused form: :func:`update_in_place` runs torch's
+fused kernel, which unscales the grads, updates params and moments in place and skips on
+device in one pass (:func:`fmp.train_step` with ``donate=True`` uses it), and
+:func:`in_place_supported` says beforehand whether it applies. Only this package knows the
+state layouts the kernels read. A :func:`chain` keeps the form only when it has a single
+part that has it; a ``GradientTransformation`` built from plain functions has none.
 """
 
 from fmp.optim._adam import adam, adamw, scale_by_adam

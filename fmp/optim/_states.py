@@ -84,3 +84,10 @@ class ScaleByScheduleState(NamedTuple):
     """
 
     count: torch.Tensor
+
+
+# Pickles (torch.save of a TrainState, torch.load's weights_only allowlist) name a class by
+# its module: the public one, so that checkpoints do not depend on this file's name.
+for _cls in (EmptyState, SgdState, AdamState, TraceState, ScaleByScheduleState):
+    _cls.__module__ = "fmp.optim"
+del _cls
