@@ -25,8 +25,6 @@ from adapters.apex.amp import _functions, _o1_install
 from adapters.apex.amp._log import LOGGER
 from adapters.apex.amp._o1_mode import O1Mode
 
-__all__ = ["AmpHandle", "NoOpHandle", "OptimWrapper", "init"]
-
 
 def _params(optimizer: Any) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
