@@ -188,3 +188,13 @@ def test_deactivate_is_exported():
     from adapters.apex import amp
 
     assert "deactivate" in amp.__all__ and callable(amp.deactivate)
+
+
+def test_is_dtensor_has_one_home():
+    # The adapter asks fmp; its local copy serves only until fmp.distributed.is_dtensor
+    # exists (then the lead drops the copy and this test's condition).
+    from adapters.apex.amp import _optimizer
+
+    if hasattr(fmp.distributed, "is_dtensor"):
+        assert _optimizer.is_dtensor is fmp.distributed.is_dtensor
+    assert _optimizer.is_dtensor(torch.ones(1)) is False
