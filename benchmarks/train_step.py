@@ -351,9 +351,9 @@ def _fresh(device: str) -> int:
 
 def _drop_apex_casts() -> None:
     # Apex O1's casts act process-wide (as Apex's patches did): the next variant runs without
-    o1 = sys.modules.get("adapters.apex.amp._o1_install")
-    if o1 is not None:
-        o1.uninstall()
+    amp = sys.modules.get("adapters.apex.amp")
+    if amp is not None:
+        amp.deactivate()
 
 
 def run_variant(model_name: str, variant: str, args) -> dict[str, Any]:

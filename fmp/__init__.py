@@ -8,7 +8,7 @@ from fmp import checkpoint, distributed, optim
 from fmp._compile import CompiledStep, compile, inductor_workarounds
 from fmp._step_type import GradReducer, TrainStep
 from fmp.cuda_graph import GraphedStep, cuda_graph
-from fmp.dtypes import dtype
+from fmp.dtypes import DTYPE_NAMES, dtype, dtype_name, is_floating
 from fmp.functional import functional
 from fmp.loss_scale import (
     DynamicLossScale,
@@ -20,13 +20,14 @@ from fmp.loss_scale import (
 from fmp.policy import NORM_LAYERS, PRESETS, Policy, cast_params, get_policy, module_policies
 from fmp.step import TrainState, value_and_grad
 from fmp.train import train_step
-from fmp.tree import all_finite, cast_tree, select_tree
+from fmp.tree import all_finite, cast_tree, floating_leaves, select_tree
 
 checkpoint.register_safe_globals()
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DTYPE_NAMES",
     "NORM_LAYERS",
     "PRESETS",
     "CompiledStep",
@@ -47,9 +48,12 @@ __all__ = [
     "cuda_graph",
     "distributed",
     "dtype",
+    "dtype_name",
+    "floating_leaves",
     "functional",
     "get_policy",
     "inductor_workarounds",
+    "is_floating",
     "loss_scale_from_state_dict",
     "module_policies",
     "optim",

@@ -14,15 +14,21 @@ from fmp._batch_cast import CastBatch, cast_batch_args, check_cast_batch, warn_c
 from fmp._checks import check_loss_scale, check_param_policies
 from fmp._compute_copy import CopyStamps
 from fmp._donation import all_owned, claim, host_prepared, private
-from fmp._fused import eager_kernels_ok, fused_step_, fused_supported
+from fmp._eager import eager_kernels_ok
 from fmp._grad import grad_with_aux
 from fmp._step_type import GradReducer, TrainStep
 from fmp.loss_scale import NoOpLossScale
-from fmp.optim import GradientTransformation, apply_updates, schedule_ok
+from fmp.optim import (
+    GradientTransformation,
+    apply_updates,
+    in_place_supported,
+    schedule_ok,
+    update_in_place,
+)
 from fmp.policy import Policy, cast_params, get_policy
 from fmp.tree import floating_leaves, select_tree
 
-__all__ = ["GradReducer", "TrainState", "TrainStep", "build_train_step", "value_and_grad"]
+__all__ = ["GradReducer", "TrainState", "TrainStep", "value_and_grad"]
 
 
 class TrainState(NamedTuple):
@@ -515,7 +521,7 @@ def build_train_step(
         if state.compute_params is not None and accumulate == 1:
             grad_sum = _to_param_dtypes(grad_sum, state.params)
         lr_ok = schedule_ok(optimizer, state.opt_state)  # a scheduled lr of inf/NaN/< 0 skips
-        if donate and fused_supported(optimizer.fused, state.params, grad_sum, state.opt_state):
+        if donate and in_place_supported(optimizer, state.params, grad_sum, state.opt_state):
             # One in-place pass unscales and checks the step's own grads (where the amp kernel
             # cannot, a read-only check and the fused kernel divides by the scale); torch's
             # fused kernel then updates params and moments in place, or skips on device.
@@ -523,8 +529,8 @@ def build_train_step(
             grads, divisor, finite = state.loss_scale.unscale_for_fused(
                 grads, micro_batches=accumulate, protect=(state, batch), check=grads_finite)
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
-            opt_state = fused_step_(optimizer.fused, state.params, grads, state.opt_state,
-                                    divisor, (~finite).to(torch.float32))
+            opt_state = update_in_place(optimizer, state.params, grads, state.opt_state,
+                                        divisor, (~finite).to(torch.float32))
             params = state.params
         else:
             if reduce_grads is None:  # eager: the same one-pass unscale where it applies

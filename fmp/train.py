@@ -17,6 +17,8 @@ from fmp.optim import GradientTransformation
 from fmp.policy import Policy
 from fmp.step import build_train_step, check_step_args
 
+__all__ = ["train_step"]
+
 
 def train_step(
     loss_fn: Callable[..., Any],

@@ -25,6 +25,6 @@ def _no_apex_casts_left():
     yield
     import sys
 
-    o1 = sys.modules.get("adapters.apex.amp._o1_install")
-    if o1 is not None:
-        o1.uninstall()
+    amp = sys.modules.get("adapters.apex.amp")
+    if amp is not None:
+        amp.deactivate()

@@ -281,4 +281,6 @@ def test_bf16_on_cuda_keeps_the_pure_path_and_the_adapter_contract_multiplies():
     mine = [g.clone() for g in before.values()]
     assert ls.unscale_and_check_(mine).item() == 0.0
     inv = inverse(ls.loss_scale)
-    assert all(torch.equal(m, g * inv) for m, g in zip(mine, before.values(), strict=True))
+    for m, g in zip(mine, before.values(), strict=True):  # written, a multiply in bf16
+        assert m.dtype == BF16 and not torch.equal(m, g)
+        assert torch.allclose(m.float(), g.float() * inv, rtol=1e-2, atol=0)

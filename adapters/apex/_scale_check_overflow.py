@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["scale_check_overflow"]
-
 
 def scale_check_overflow(input: torch.Tensor, scale: float, overflow_buf: torch.Tensor,
                          output: torch.Tensor) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-__all__ = ["ApexArgumentWarning", "warn_unsupported"]
-
 
 class ApexArgumentWarning(UserWarning):
     """An Apex argument was accepted but has no torch equivalent; the message says what

@@ -6,29 +6,17 @@ This is the loop a pre-2025 NVIDIA Apex user wrote, with one line changed:
 
 from __future__ import annotations
 
-import importlib
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from adapters import apex
 from fmp.demo.data import DigitsSplit, batch_indices
 from fmp.demo.model import make_model
 
 __all__ = ["train"]
-
-
-def _new_amp() -> Any:
-    """An own ``Amp`` instance when the adapter offers one, else the module functions."""
-    amp = importlib.import_module("adapters.apex").amp
-    return amp.Amp() if hasattr(amp, "Amp") else amp
-
-
-def _loss_scale(amp: Any) -> float:
-    if hasattr(amp, "loss_scale"):
-        return float(amp.loss_scale())
-    return float(amp.state_dict()["loss_scaler0"]["loss_scale"])
 
 
 def train(level: str, data: DigitsSplit, cfg: Any, device: torch.device,
@@ -55,7 +43,7 @@ def train(level: str, data: DigitsSplit, cfg: Any, device: torch.device,
     """
     from fmp.demo.run import cosine_lr
 
-    amp = _new_amp()
+    amp = apex.amp.Amp()  # an own instance: each run starts from a fresh amp state
     model = make_model(cfg.seed, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
@@ -79,7 +67,7 @@ def train(level: str, data: DigitsSplit, cfg: Any, device: torch.device,
             scheduler.step()
             skipped += int(amp.last_step_skipped(optimizer))
             losses.append(loss.detach().float())
-            scales.append(torch.tensor(_loss_scale(amp)))
+            scales.append(torch.tensor(amp.loss_scale()))
             if i == 0:
                 t0 = time.perf_counter()
             if (i + 1) % 25 == 0 or i + 1 == cfg.steps:
@@ -92,7 +80,6 @@ def train(level: str, data: DigitsSplit, cfg: Any, device: torch.device,
     with torch.no_grad():
         logits = model(data.x_test).float()
     accuracy = 100.0 * (logits.argmax(-1) == data.y_test).float().mean().item()
-    if hasattr(amp, "_deactivate"):  # O1/O4 casts act process-wide, as Apex's patches did
-        amp._deactivate()
+    apex.amp.deactivate()  # O1/O4 casts act process-wide, as Apex's patches did
     return {"losses": losses, "scales": scales, "skipped": skipped, "elapsed": elapsed,
             "accuracy": accuracy}

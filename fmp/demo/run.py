@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import time
 from collections.abc import Callable
@@ -120,7 +119,7 @@ def apex_available() -> str | None:
         None, or a short reason (for the table).
     """
     try:
-        apex = importlib.import_module("adapters.apex")
+        from adapters import apex  # here, not at the top: a broken adapter is reported
     except Exception as e:  # any import failure means "not usable"
         return f"adapters.apex not importable ({type(e).__name__})"
     if not callable(getattr(getattr(apex, "amp", None), "initialize", None)):

@@ -14,7 +14,9 @@ MODULES = ["adapters.apex", "adapters.apex.amp", "adapters.apex.amp._amp",
            "adapters.apex.amp._errors", "adapters.apex.amp._opt_levels",
            "fmp.loss_scale._inplace", "adapters.apex.amp._log", "adapters.apex.amp._scaler",
            "adapters.apex.amp._master", "adapters.apex.amp._optimizer",
-           "adapters.apex.amp._model", "adapters.apex.amp._casts"]
+           "adapters.apex.amp._model", "adapters.apex.amp._casts",
+           "adapters.apex.amp._initialize", "adapters.apex.amp._scale_loss",
+           "adapters.apex.amp._checkpoint", "adapters.apex.amp._functions"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from adapters.apex.amp._amp import Amp
 from adapters.apex.amp._amp_state import _amp_state as _amp_state  # Apex's read-only global state
+from adapters.apex.amp._casts import deactivate  # fmp extension: the O1/O4 casts off
 from adapters.apex.amp._errors import AmpError
 from adapters.apex.amp._handle import init  # [amp14a] the old handle API
 from adapters.apex.amp._opt_levels import OPT_LEVELS, Properties
@@ -33,6 +34,7 @@ __all__ = [
     "AmpError",
     "Properties",
     "autocast",
+    "deactivate",
     "default_amp",
     "disable_casts",
     "float_function",

@@ -30,8 +30,6 @@ from typing import Any
 
 from adapters.apex.amp._errors import AmpError
 
-__all__ = ["AmpStateView", "LossScalerView", "PropertiesView", "_amp_state"]
-
 _READ_ONLY = ("adapters.apex: amp._amp_state is read-only; change amp's state with "
               "amp.initialize(...) and amp.load_state_dict(...)")
 

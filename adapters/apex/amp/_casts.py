@@ -1,116 +1,177 @@
-"""Apex's user cast annotations on top of torch.autocast.
+"""``Amp.autocast``, ``disable_casts`` and the function registry's methods.
 
-``half_function(fn)`` / ``float_function(fn)`` / ``promote_function(fn)`` wrap a function
-so that, while autocast is on for the device of its tensor arguments, its floating
-arguments are cast (to autocast's low dtype, to float32, or to the widest floating dtype
-among them) and it runs with autocast off. Outside autocast the wrapper calls ``fn``
-unchanged. The casts are :func:`fmp.cast_tree`.
+Part of :class:`~adapters.apex.amp.Amp` (a mixin). The casts are the O1 mode's
+(:mod:`adapters.apex.amp._o1_install`); the decorators and ``register_*_function`` are
+:mod:`adapters.apex.amp._functions`'s, which ``amp.init``'s handle uses too.
+:func:`deactivate` turns the O1/O4 casts off, whoever installed them.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any, Literal
+import contextlib
+from typing import Any
 
-import optree
-import torch
-
-import fmp
-
-__all__ = ["Kind", "cast_function", "disable_casts"]
-
-Kind = Literal["half", "float", "promote"]
+from adapters.apex.amp import _functions
+from adapters.apex.amp import _o1_install as _o1
+from adapters.apex.amp._functions import Kind
 
 
-def _device_type(args: Any) -> str | None:
-    for leaf in optree.tree_leaves(args):
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device.type
-    return None
+def deactivate() -> None:
+    """Turn the O1/O4 casts off, whoever installed them (an fmp extension).
 
-
-def _active(device_type: str | None) -> str | None:
-    """The device type whose autocast is on for these arguments, or None."""
-    candidates = [device_type] if device_type else ["cuda", "cpu"]
-    for d in candidates:
-        if torch.is_autocast_enabled(d):
-            return d
-    return None
-
-
-def _widest(args: Any) -> torch.dtype | None:
-    widest: torch.dtype | None = None
-    for leaf in optree.tree_leaves(args):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            widest = leaf.dtype if widest is None else torch.promote_types(widest, leaf.dtype)
-    return widest
-
-
-def cast_function(fn: Callable[..., Any], kind: Kind) -> Callable[..., Any]:
-    """Wrap ``fn`` with one of Apex's cast rules (see the module docstring).
-
-    Args:
-        fn: the function.
-        kind: ``"half"``, ``"float"`` or ``"promote"``.
-
-    Returns:
-        The wrapper (``functools.wraps(fn)``; ``wrapper.__wrapped__`` is ``fn``).
-
-    Raises:
-        ValueError: an unknown ``kind``.
+    After an O1/O4 ``amp.initialize`` (or ``amp.init()``) the casts act on the whole
+    program, as Apex's patches did. Apex removed them through a private handle
+    (``amp._amp_state.handle._deactivate()``, which works here too); this is the public
+    way: for a script (or a test suite, a benchmark) that goes on without them. The
+    functions registered in place are restored. A no-op when the casts are off.
 
     Example:
-        >>> f = cast_function(torch.add, "float")
-        >>> with torch.autocast("cpu", dtype=torch.float16):
-        ...     f(torch.ones(1, dtype=torch.float16), 1).dtype
+        >>> from adapters.apex import amp
+        >>> net = amp.Amp().initialize(torch.nn.Linear(2, 2), opt_level="O4", verbosity=0)
+        >>> (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.bfloat16
+        >>> amp.deactivate()
+        >>> (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
         torch.float32
     """
-    if kind not in ("half", "float", "promote"):
-        raise ValueError(f"kind must be 'half', 'float' or 'promote', got {kind!r}")
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from adapters.apex.amp import _o1_install  # [amp14a] the O1 mode's casts
-
-        if _o1_install.active_low_dtype() is not None:
-            return _o1_install.call_cast(fn, kind, getattr(fn, "__name__", "function"),
-                                         args, kwargs)
-        device_type = _active(_device_type((args, kwargs)))
-        if device_type is None:
-            return fn(*args, **kwargs)
-        if kind == "half":
-            target: torch.dtype | None = torch.get_autocast_dtype(device_type)
-        elif kind == "float":
-            target = torch.float32
-        else:
-            target = _widest((args, kwargs))
-        if target is not None:
-            args, kwargs = fmp.cast_tree((args, kwargs), target)
-        with torch.autocast(device_type, enabled=False):
-            return fn(*args, **kwargs)
-
-    wrapper._amp_cast_kind = kind  # type: ignore[attr-defined]
-    return wrapper
+    _o1.uninstall()
 
 
-class disable_casts:
-    """Context manager: no autocast casts inside (``torch.autocast(enabled=False)``).
+class CastsMixin:
+    """The casts and the function registry (a part of :class:`~adapters.apex.amp.Amp`)."""
 
-    Args:
-        device_type: the device type whose autocast is turned off.
+    def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+        """A context running its body under the opt level's autocast (O1: float16, O4: bf16).
 
-    Example:
-        >>> with torch.autocast("cpu", dtype=torch.float16), disable_casts("cpu"):
-        ...     torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
-        torch.float32
-    """
+        At O0/O2/O3/O5 (the model itself carries its dtype) and when amp is disabled it
+        does nothing. ``enabled=False`` turns autocast off inside.
 
-    def __init__(self, device_type: str) -> None:
-        self._ctx = torch.autocast(device_type, enabled=False)
+        Args:
+            enabled: False gives ``torch.autocast(device, enabled=False)``.
 
-    def __enter__(self) -> None:
-        self._ctx.__enter__()
+        Returns:
+            A context manager.
 
-    def __exit__(self, *exc: Any) -> None:
-        self._ctx.__exit__(*exc)
+        Raises:
+            AmpError: before initialize.
+
+        Example:
+            >>> from adapters.apex.amp import Amp
+            >>> amp = Amp()
+            >>> net = amp.initialize(torch.nn.Linear(2, 2), opt_level="O4", verbosity=0)
+            >>> with amp.autocast():
+            ...     torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
+            torch.bfloat16
+        """
+        self._require("amp.autocast")
+        props = self.properties
+        if not enabled:
+            return _o1.no_casts(self._device_type())  # [amp14a]
+        if not self.enabled or props is None or not props.patch_torch_functions:
+            return contextlib.nullcontext()
+        return _o1.casts_on()  # [amp14a] the O1 mode casts (on already, unless disabled)
+
+    def _deactivate(self) -> None:
+        """Remove the O1/O4 casts this Amp installed (Apex's ``handle._deactivate()``).
+
+        After an O1 ``initialize`` the casts act on the whole program, as Apex's patches
+        did; a script that goes on without them (an evaluation in float32, another run in
+        the same process) turns them off here. ``amp._amp_state.handle`` is this Amp then,
+        so Apex's ``_amp_state.handle._deactivate()`` works too. A no-op when the casts
+        are off or belong to another Amp or handle.
+
+        Example:
+            >>> from adapters.apex import amp
+            >>> a = amp.Amp()
+            >>> net = a.initialize(torch.nn.Linear(2, 2), opt_level="O4", verbosity=0)
+            >>> (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+            torch.bfloat16
+            >>> a._deactivate()
+            >>> (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+            torch.float32
+        """
+        mode = _o1.current()
+        if mode is not None and getattr(mode, "owner", None) is self:
+            _o1.uninstall()
+
+    def disable_casts(self) -> contextlib.AbstractContextManager[Any]:
+        """A context in which autocast's casts are off (Apex's ``amp.disable_casts()``).
+
+        Returns:
+            A context manager.
+
+        Example:
+            >>> from adapters.apex.amp import Amp
+            >>> amp = Amp()
+            >>> net = amp.initialize(torch.nn.Linear(2, 2), opt_level="O1", verbosity=0)
+            >>> with amp.autocast(), amp.disable_casts():
+            ...     torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
+            torch.float32
+        """
+        return _o1.no_casts(self._device_type())  # [amp14a]
+
+    half_function = staticmethod(_functions.half_function)
+    float_function = staticmethod(_functions.float_function)
+    promote_function = staticmethod(_functions.promote_function)
+
+    def _register(self, module: Any, name: str, kind: Kind) -> None:
+        _functions.register(self, self._registry, module, name, kind)
+
+    def register_half_function(self, module: Any, name: str) -> None:
+        """Have ``module.name`` run in autocast's low dtype (applied at an O1/O4 initialize).
+
+        Args:
+            module: a module or any object holding the function.
+            name: the attribute name.
+
+        Raises:
+            AmpError: ``module`` has no attribute ``name``.
+
+        Example:
+            >>> from adapters.apex.amp import Amp
+            >>> import types
+            >>> ns = types.SimpleNamespace(f=torch.mm)
+            >>> amp = Amp()
+            >>> amp.register_half_function(ns, "f")
+            >>> _ = amp.initialize(torch.nn.Linear(1, 1), opt_level="O1", verbosity=0)
+            >>> ns.f.__wrapped__ is torch.mm
+            True
+        """
+        self._register(module, name, "half")
+
+    def register_float_function(self, module: Any, name: str) -> None:
+        """Have ``module.name`` run in float32 under autocast (see register_half_function).
+
+        Args:
+            module: a module or any object holding the function.
+            name: the attribute name.
+
+        Raises:
+            AmpError: ``module`` has no attribute ``name``.
+
+        Example:
+            >>> from adapters.apex.amp import Amp
+            >>> import types
+            >>> amp = Amp()
+            >>> amp.register_float_function(types.SimpleNamespace(f=abs), "f")
+        """
+        self._register(module, name, "float")
+
+    def register_promote_function(self, module: Any, name: str) -> None:
+        """Have ``module.name`` promote its floating arguments under autocast.
+
+        Args:
+            module: a module or any object holding the function.
+            name: the attribute name.
+
+        Raises:
+            AmpError: ``module`` has no attribute ``name``.
+
+        Example:
+            >>> from adapters.apex.amp import Amp
+            >>> import types
+            >>> amp = Amp()
+            >>> amp.register_promote_function(types.SimpleNamespace(f=abs), "f")
+        """
+        self._register(module, name, "promote")
+

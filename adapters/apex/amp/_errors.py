@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = ["AmpError"]
-
 
 class AmpError(RuntimeError, ValueError):
     """A misuse of the Apex amp interface (bad arguments, wrong call order).

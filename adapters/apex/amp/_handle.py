@@ -21,11 +21,9 @@ from typing import Any
 import torch
 
 import fmp
-from adapters.apex.amp import _o1_install
+from adapters.apex.amp import _functions, _o1_install
 from adapters.apex.amp._log import LOGGER
 from adapters.apex.amp._o1_mode import O1Mode
-
-__all__ = ["AmpHandle", "NoOpHandle", "OptimWrapper", "init"]
 
 
 def _params(optimizer: Any) -> list[torch.Tensor]:
@@ -105,8 +103,7 @@ class AmpHandle:
         from adapters.apex.amp import default_amp
 
         _o1_install.install(self._mode)
-        for module, name, kind in default_amp()._registry:
-            _o1_install.apply_registration(self._mode, module, name, kind)
+        _functions.apply_registry(self._mode, default_amp()._registry)
 
     @property
     def _is_active(self) -> bool:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-__all__ = ["LOGGER", "RateLimitedLog"]
-
 #: The adapter's logger.
 LOGGER = logging.getLogger("adapters.apex")
 

@@ -13,8 +13,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["MASTER_KEY", "MasterWeights", "is_low_precision"]
-
 #: The per-param key under which ``optimizer.state_dict()`` carries a master's value.
 MASTER_KEY = "fmp_master"
 

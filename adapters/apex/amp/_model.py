@@ -17,8 +17,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import fmp
 from adapters.apex.amp._nested import cast_nested
 
-__all__ = ["WrappedForward", "cast_model", "model_device_type", "register_fp32_state_dict"]
-
 
 def model_device_type(model: torch.nn.Module) -> str:
     """The device type of the model's first parameter (or buffer); CPU for an empty model.

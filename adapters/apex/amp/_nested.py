@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["cast_nested"]
-
 
 def cast_nested(value: Any, cast: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` with ``cast`` applied to each tensor it holds, containers rebuilt as their type.

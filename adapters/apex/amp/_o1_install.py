@@ -3,7 +3,8 @@
 One mode at a time, as Apex had one handle: it sits at the bottom of this thread's torch
 function mode stack (above torch's ``DeviceContext``), so ``with`` blocks of other modes
 entered before or after it push and pop around it. Its owner (an ``Amp``, or the handle
-of ``amp.init``) holds the ``register_*_function`` registrations.
+of ``amp.init``) holds the ``register_*_function`` registrations, which the function
+registry (:mod:`adapters.apex.amp._functions`) applies to the mode.
 """
 
 from __future__ import annotations
@@ -15,11 +16,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from adapters.apex.amp._o1_mode import O1Mode, _rules, _types
-
-__all__ = ["activate", "current", "install", "no_casts", "register", "uninstall"]
 
 _CURRENT: O1Mode | None = None
 
@@ -131,11 +129,8 @@ def uninstall() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# user registrations and decorators
+# calls under the installed mode's rules (the function registry's wrappers come here)
 # ---------------------------------------------------------------------------------------
-_NAMESPACES = (torch, F, torch.Tensor, torch.nn.functional)
-
-
 def cast_args(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any],
               name: str) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The arguments cast by rule ``kind`` under the installed mode; None when it is off.
@@ -180,40 +175,6 @@ def call_cast(fn: Any, kind: str, name: str, args: tuple[Any, ...],
         return fn(*cast[0], **cast[1])
 
 
-def _wrap(mode: O1Mode, fn: Any, kind: str, name: str) -> Any:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return call_cast(fn, kind, name, args, kwargs)
-
-    wrapper._amp_cast_kind = kind  # type: ignore[attr-defined]
-    return wrapper
-
-
-def apply_registration(mode: O1Mode, owner: Any, name: str, kind: str) -> None:
-    """Make ``owner.name`` follow rule ``kind`` (``half``/``float``/``promote``) under ``mode``.
-
-    A function of ``torch``, ``torch.nn.functional`` or ``torch.Tensor`` becomes a rule of
-    the mode; anything else is replaced by a casting wrapper (undone by :func:`uninstall`).
-
-    Example:
-        >>> m = O1Mode(torch.float16, "cpu")
-        >>> apply_registration(m, torch, "sigmoid", "float")
-        >>> with m:
-        ...     torch.sigmoid(torch.ones(1, dtype=torch.float16)).dtype
-        torch.float32
-    """
-    fn = getattr(owner, name)
-    if getattr(fn, "_amp_cast_kind", None) is not None:
-        return
-    if any(owner is ns for ns in _NAMESPACES) and (
-            isinstance(fn, type(torch.mm) | type(torch.Tensor.mm))
-            or getattr(fn, "__module__", "").startswith("torch")):
-        mode.user_rules[fn] = (kind, name)
-        return
-    mode.patches.append((owner, name, fn))
-    setattr(owner, name, _wrap(mode, fn, kind, name))
-
-
 def _no_casts_in_step(optimizer: Any) -> None:
     """Run ``optimizer.step`` with the casts off and the cache dropped (as Apex did)."""
     if getattr(optimizer, "_amp_o1_step", False):
@@ -234,24 +195,24 @@ def _no_casts_in_step(optimizer: Any) -> None:
     optimizer._amp_o1_step = True
 
 
-def activate(owner: Any, low: torch.dtype, device_type: str, registry: list[Any],
-             optimizers: list[Any], verbose: bool = False) -> O1Mode:
+def activate(owner: Any, low: torch.dtype, device_type: str, optimizers: list[Any],
+             verbose: bool = False) -> O1Mode:
     """Install (or update) the O1 mode of ``owner`` (an ``Amp``) for an O1/O4 initialize.
 
     Args:
         owner: the object the mode belongs to; another owner's mode is replaced.
         low: float16 (O1) or bfloat16 (O4).
         device_type: the model's device type (the tensors that get cast).
-        registry: the owner's ``(module, name, kind)`` registrations to apply.
         optimizers: their ``step`` runs with the casts off.
         verbose: print every cast.
 
     Returns:
-        The installed mode.
+        The installed mode (the owner's registrations are the caller's to apply:
+        :func:`adapters.apex.amp._functions.apply_registry`).
 
     Example:
         >>> class Owner: pass
-        >>> m = activate(Owner(), torch.bfloat16, "cpu", [], [])
+        >>> m = activate(Owner(), torch.bfloat16, "cpu", [])
         >>> (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
         torch.bfloat16
         >>> uninstall()
@@ -263,15 +224,13 @@ def activate(owner: Any, low: torch.dtype, device_type: str, registry: list[Any]
         install(m)
     m.low, m.device_type, m.verbose = low, device_type, verbose
     m.clear_cache()
-    for module, name, kind in registry:
-        apply_registration(m, module, name, kind)
     for o in optimizers:
         _no_casts_in_step(o)
     return m
 
 
-def follow(owner: Any, props: Any, device_type: str, registry: list[Any],
-           optimizers: list[Any], verbose: bool = False) -> O1Mode | None:
+def follow(owner: Any, props: Any, device_type: str, optimizers: list[Any],
+           verbose: bool = False) -> O1Mode | None:
     """Make the casts follow an ``initialize`` of ``owner``: the latest one decides.
 
     At O1/O4 (``props.patch_torch_functions``) the mode is installed (see
@@ -281,7 +240,6 @@ def follow(owner: Any, props: Any, device_type: str, registry: list[Any],
         owner: the ``Amp``.
         props: its resolved ``Properties``.
         device_type: the model's device type.
-        registry: the owner's registrations.
         optimizers: the optimizers of this initialize.
         verbose: print every cast.
 
@@ -290,12 +248,11 @@ def follow(owner: Any, props: Any, device_type: str, registry: list[Any],
 
     Example:
         >>> from adapters.apex.amp._opt_levels import resolve_properties
-        >>> follow(object(), resolve_properties("O2"), "cpu", [], []) is None
+        >>> follow(object(), resolve_properties("O2"), "cpu", []) is None
         True
     """
     if props.patch_torch_functions:
-        return activate(owner, props.autocast_dtype, device_type, registry, optimizers,
-                        verbose)
+        return activate(owner, props.autocast_dtype, device_type, optimizers, verbose)
     if _CURRENT is not None:
         from adapters.apex.amp._log import LOGGER
 
@@ -305,27 +262,6 @@ def follow(owner: Any, props: Any, device_type: str, registry: list[Any],
                        "uncast)", props.opt_level)
         uninstall()
     return None
-
-
-def register(owner: Any, registry: list[Any], module: Any, name: str, kind: str) -> None:
-    """Record a ``register_*_function`` call of ``owner``; apply it now if its mode is on.
-
-    Raises:
-        ValueError: ``module`` has no attribute ``name`` (the caller may re-raise).
-
-    Example:
-        >>> import types
-        >>> reg: list = []
-        >>> register(object(), reg, types.SimpleNamespace(f=abs), "f", "float")
-        >>> len(reg)
-        1
-    """
-    if not hasattr(module, name):
-        raise ValueError(f"no function named {name!r} in {module!r}")
-    registry.append((module, name, kind))
-    m = _CURRENT
-    if m is not None and getattr(m, "owner", None) is owner:
-        apply_registration(m, module, name, kind)
 
 
 @contextlib.contextmanager

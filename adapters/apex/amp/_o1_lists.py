@@ -14,8 +14,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BANNED_MESSAGE", "build_rules"]
-
 # --- torch.nn.functional ---------------------------------------------------------------
 _F_HALF = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
            "conv_transpose3d", "conv_tbc", "linear"]

@@ -67,8 +67,6 @@ from torch.overrides import TorchFunctionMode
 
 from adapters.apex.amp._o1_lists import BANNED_MESSAGE, build_rules
 
-__all__ = ["O1Mode"]
-
 _RULES: dict[Any, tuple[str, str]] | None = None
 
 

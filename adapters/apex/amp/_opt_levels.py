@@ -17,8 +17,6 @@ import torch
 import fmp
 from adapters.apex.amp._errors import AmpError
 
-__all__ = ["OPT_LEVELS", "Properties", "resolve_properties"]
-
 _F16, _BF16, _F32 = torch.float16, torch.bfloat16, torch.float32
 
 

@@ -21,19 +21,35 @@ from typing import Any
 
 import torch
 
+import fmp.distributed
 from adapters.apex.amp._errors import AmpError
 from adapters.apex.amp._master import MasterWeights, is_low_precision
 
-__all__ = ["OptimizerRecord", "is_dtensor"]
 
-
-def is_dtensor(t: Any) -> bool:
+def _is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2's params and grads)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without DTensor
         return False
     return isinstance(t, DTensor)
+
+
+#: Whether a tensor is a DTensor: fmp's public ``fmp.distributed.is_dtensor``; the local
+#: copy above serves only until that name lands in fmp (then it goes).
+is_dtensor: Callable[[Any], bool] = getattr(fmp.distributed, "is_dtensor", None) or _is_dtensor
+
+
+def unwrap_larc(objs: Any) -> Any:
+    """``objs`` with each Apex ``LARC`` wrapper replaced by the optimizer it wraps (amp
+    patches that one; LARC's ``step``/``zero_grad`` call it, as in Apex)."""
+    from adapters.apex.parallel.LARC import LARC
+
+    if isinstance(objs, LARC):
+        return objs.optim
+    if isinstance(objs, list | tuple):
+        return type(objs)(o.optim if isinstance(o, LARC) else o for o in objs)
+    return objs
 
 
 def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -18,8 +18,6 @@ import torch
 import fmp
 from adapters.apex.amp._log import RateLimitedLog
 
-__all__ = ["LossScaler", "default_floor"]
-
 _TINY = 2.0**-126  # smallest normal float32: "no floor" (min_loss_scale=0) in Apex terms
 
 

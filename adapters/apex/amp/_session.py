@@ -24,8 +24,6 @@ from adapters.apex.amp._log import RateLimitedLog
 from adapters.apex.amp._model import model_device_type
 from adapters.apex.amp._opt_levels import Properties
 
-__all__ = ["DISABLED_MARK", "MODEL_MARK", "Config", "Session"]
-
 #: The attribute a model initialized (enabled) carries: the :class:`Properties` it got.
 MODEL_MARK = "_amp_properties"
 #: The attribute an optimizer passed with ``enabled=False`` carries: its session.

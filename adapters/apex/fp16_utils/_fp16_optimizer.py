@@ -18,8 +18,6 @@ import torch
 from adapters.apex.fp16_utils._fp16util import clip_grad_norm
 from adapters.apex.fp16_utils._loss_scaler import AmpLossScaler
 
-__all__ = ["FP16_Optimizer"]
-
 _LOW = (torch.float16, torch.bfloat16)
 
 

@@ -9,10 +9,6 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["BN_convert_float", "FP16Model", "clip_grad_norm", "convert_module",
-           "convert_network", "master_params_to_model_params", "model_grads_to_master_grads",
-           "network_to_half", "prep_param_lists", "to_python_float", "tofp16"]
-
 clip_grad_norm = nn.utils.clip_grad_norm_
 
 

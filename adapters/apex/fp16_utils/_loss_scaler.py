@@ -17,8 +17,6 @@ import torch
 
 from adapters.apex.amp._scaler import default_floor
 
-__all__ = ["AmpLossScaler", "DynamicLossScaler", "LossScaler"]
-
 
 def _has_inf_or_nan(x: torch.Tensor) -> bool:
     return not bool(torch.isfinite(x).all())

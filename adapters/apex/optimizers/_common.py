@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["kernel_kwargs", "materialize", "param_list", "per_param_steps"]
-
 
 def materialize(params: Any) -> list[Any]:
     """``params`` as a list (a generator is read once), as torch optimizers accept it."""

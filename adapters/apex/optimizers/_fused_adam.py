@@ -12,8 +12,6 @@ from adapters.apex._warn import warn_unsupported
 from adapters.apex.optimizers._common import kernel_kwargs, materialize, per_param_steps
 from adapters.apex.optimizers._subset import step_groups, step_own_groups
 
-__all__ = ["FusedAdam"]
-
 
 class FusedAdam(torch.optim.Adam):
     """Apex's FusedAdam: AdamW by default (``adam_w_mode=True``), Adam with L2 otherwise.

@@ -21,8 +21,6 @@ import torch
 
 from adapters.apex.optimizers._common import materialize
 
-__all__ = ["FusedLAMB"]
-
 
 def _norms(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in ts])

@@ -17,8 +17,6 @@ import torch
 
 from adapters.apex.optimizers._common import materialize
 
-__all__ = ["FusedNovoGrad"]
-
 
 class FusedNovoGrad(torch.optim.Optimizer):
     """Apex's FusedNovoGrad (arXiv:1904.03288), on CPU and CUDA.

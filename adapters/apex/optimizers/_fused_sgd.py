@@ -12,8 +12,6 @@ from adapters.apex._warn import warn_unsupported
 from adapters.apex.optimizers._common import kernel_kwargs, materialize
 from adapters.apex.optimizers._subset import step_groups, step_own_groups
 
-__all__ = ["FusedSGD"]
-
 
 class _Required:
     def __repr__(self) -> str:
