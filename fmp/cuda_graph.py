@@ -11,8 +11,9 @@ import torch
 
 from fmp._compile import CompiledStep
 from fmp._donation import prepared_on_host
+from fmp._step_trees import donate_into
 from fmp._step_type import TrainStep
-from fmp.step import TrainState, _donate_into
+from fmp.step import TrainState
 
 __all__ = ["GraphedStep", "cuda_graph"]
 
@@ -94,7 +95,7 @@ class GraphedStep:
             state = state._replace(compute_params=mine.compute_params)
         _copy_into("state", mine, state)
         if isinstance(mine, TrainState) and mine.compute_params is not None:
-            _donate_into(mine.compute_params, mine.params)  # converts to the copy's dtypes
+            donate_into(mine.compute_params, mine.params)  # converts to the copy's dtypes
 
     def __call__(self, state: Any, *batch: Any) -> tuple[Any, dict[str, Any]]:
         """Run the captured step on ``batch``; returns ``(self.state, metrics)``.
