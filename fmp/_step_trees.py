@@ -12,6 +12,7 @@ import torch
 from fmp._donation import all_owned, private
 from fmp._train_state import TrainState
 from fmp.policy import Policy
+from fmp.tree import select_tree
 
 
 def check_param_dtypes(params: Any, pol: Policy,
@@ -115,3 +116,26 @@ def private_state(state: TrainState) -> TrainState:
     return state._replace(params=params, opt_state=opt_state, model_state=model_state,
                           compute_params=(state.compute_params if params is state.params
                                           else None))
+
+
+def select_into(pred: torch.Tensor, new: Any, old: Any) -> Any:
+    """``donate_into(old, select_tree(pred, new, old))`` (a donated step's skip-safe write)
+    in one walk of the two trees: the same selects, copied into ``old``'s tensors."""
+    if torch.compiler.is_compiling():
+        return donate_into(old, select_tree(pred, new, old))
+    old_leaves, spec = optree.tree_flatten(old)
+    new_leaves, new_spec = optree.tree_flatten(new)
+    ok = (isinstance(pred, torch.Tensor) and pred.dtype == torch.bool and pred.dim() == 0
+          and new_spec == spec)
+    dst, src = [], []
+    for a, b in zip(new_leaves, old_leaves, strict=True) if ok else ():
+        if not (type(a) is torch.Tensor and type(b) is torch.Tensor and a.shape == b.shape):
+            ok = False  # select_tree's rules (and errors) for anything else
+            break
+        dst.append(b)
+        src.append(torch.where(pred, a, b.to(a.dtype) if b.dtype != a.dtype else b))
+    if not ok:
+        return donate_into(old, select_tree(pred, new, old))
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return old

@@ -17,13 +17,14 @@ import torch
 from fmp._batch_cast import CastBatch, check_cast_batch, warn_cast_overflow
 from fmp._checks import check_param_policies
 from fmp._compute_copy import CopyStamps
-from fmp._donation import host_prepared
+from fmp._donation import claim, host_prepared
 from fmp._eager import eager_kernels_ok
 from fmp._grad import grad_with_aux
 from fmp._step_trees import (
     check_param_dtypes,
     donate_into,
     private_state,
+    select_into,
     split_batch,
     stack_aux,
     to_f32,
@@ -35,7 +36,7 @@ from fmp._value_and_grad import Caster, scaled_loss_fn, value_and_grad
 from fmp.optim import (
     GradientTransformation,
     apply_updates,
-    in_place_supported,
+    in_place_plan,
     schedule_ok,
     update_in_place,
 )
@@ -167,7 +168,9 @@ def build_train_step(
         if state.compute_params is not None and accumulate == 1:
             grad_sum = to_param_dtypes(grad_sum, state.params)
         lr_ok = schedule_ok(optimizer, state.opt_state)  # a scheduled lr of inf/NaN/< 0 skips
-        if donate and in_place_supported(optimizer, state.params, grad_sum, state.opt_state):
+        plan = (in_place_plan(optimizer, state.params, grad_sum, state.opt_state)
+                if donate else None)
+        if plan is not None:
             # One in-place pass unscales and checks the step's own grads (where the amp kernel
             # cannot, a read-only check and the fused kernel divides by the scale); torch's
             # fused kernel then updates params and moments in place, or skips on device.
@@ -176,7 +179,8 @@ def build_train_step(
                 grads, micro_batches=accumulate, protect=(state, batch), check=grads_finite)
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             opt_state = update_in_place(optimizer, state.params, grads, state.opt_state,
-                                        divisor, (~finite).to(torch.float32))
+                                        divisor, (~finite).to(torch.float32), plan=plan)
+            claim(opt_state)  # its new leaves (the count): the next call need not copy them
             params = state.params
         else:
             if reduce_grads is None:  # eager: the same one-pass unscale where it applies
@@ -189,15 +193,15 @@ def build_train_step(
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
             new_params = apply_updates(state.params, updates)
-            params = select_tree(finite, new_params, state.params)
-            opt_state = select_tree(finite, new_opt_state, state.opt_state)
-            if donate:
-                params = donate_into(state.params, params)
-                opt_state = donate_into(state.opt_state, opt_state)
+            if donate:  # the select written into the input state's tensors (one walk each)
+                params = select_into(finite, new_params, state.params)
+                opt_state = select_into(finite, new_opt_state, state.opt_state)
+            else:
+                params = select_tree(finite, new_params, state.params)
+                opt_state = select_tree(finite, new_opt_state, state.opt_state)
         if has_state:
-            model_state = select_tree(finite, model_state, state.model_state)
-            if donate:
-                model_state = donate_into(state.model_state, model_state)
+            model_state = (select_into(finite, model_state, state.model_state) if donate
+                           else select_tree(finite, model_state, state.model_state))
         copy = state.compute_params
         if copy is not None:  # the next step's forward reads this instead of casting
             copy = donate_into(copy, params) if donate else cast_p(params)
