@@ -254,3 +254,36 @@ def test_two_steps_keep_independent_compute_copy_stamps():
     r2, _ = ref(r, x, y, _factor())
     assert_trees_bit_equal(a2.params, r2.params)
     assert_trees_bit_equal(b2.params, r2.params)
+
+
+# ---- host work of an eager donated step ------------------------------------------------
+
+def test_a_donated_fused_step_checks_its_trees_once_and_copies_nothing_after_the_first(
+        monkeypatch):
+    """The fused path's leaf lists are built once per step (the update reuses the check),
+    and the state a donated step returned is private already: no copy on the next call."""
+    from fmp import _step_trees
+    from fmp.optim import _inplace
+
+    calls = {"lists": 0, "private": 0}
+    lists, private = _inplace._lists, _step_trees.private
+
+    def count(name, fn):
+        def counted(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return counted
+
+    monkeypatch.setattr(_inplace, "_lists", count("lists", lists))
+    monkeypatch.setattr(_step_trees, "private", count("private", private))
+    step, state, (x, y) = _setup(fmp.optim.adamw(1e-2), donate=True)
+    ref, ref_state, _ = _setup(fmp.optim.adamw(1e-2), donate=False)
+    state, _ = step(state, x, y, _factor())  # the first call copies the module's tensors
+    ref_state, _ = ref(ref_state, x, y, _factor())
+    calls.update(lists=0, private=0)
+    for inf in (False, True, False):
+        state, m = step(state, x, y, _factor(inf))
+        ref_state, m_r = ref(ref_state, x, y, _factor(inf))
+        assert bool(m["skipped"]) == bool(m_r["skipped"]) == inf
+        torch.testing.assert_close(state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+    assert calls == {"lists": 3, "private": 0}
