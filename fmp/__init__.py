@@ -5,7 +5,8 @@ records, functional optimizers (``fmp.optim``) and a skip-safe train step with n
 """
 
 from fmp import checkpoint, distributed, optim
-from fmp._compile import compile, inductor_workarounds
+from fmp._compile import CompiledStep, compile, inductor_workarounds
+from fmp._step_type import GradReducer, TrainStep
 from fmp.cuda_graph import GraphedStep, cuda_graph
 from fmp.dtypes import DTYPE_NAMES, dtype, dtype_name, is_floating
 from fmp.functional import functional
@@ -17,7 +18,8 @@ from fmp.loss_scale import (
     loss_scale_from_state_dict,
 )
 from fmp.policy import NORM_LAYERS, PRESETS, Policy, cast_params, get_policy, module_policies
-from fmp.step import TrainState, train_step, value_and_grad
+from fmp.step import TrainState, value_and_grad
+from fmp.train import train_step
 from fmp.tree import all_finite, cast_tree, floating_leaves, select_tree
 
 checkpoint.register_safe_globals()
@@ -28,13 +30,16 @@ __all__ = [
     "DTYPE_NAMES",
     "NORM_LAYERS",
     "PRESETS",
+    "CompiledStep",
     "DynamicLossScale",
+    "GradReducer",
     "GraphedStep",
     "LossScale",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
     "TrainState",
+    "TrainStep",
     "all_finite",
     "cast_params",
     "cast_tree",

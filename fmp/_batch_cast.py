@@ -18,8 +18,6 @@ import torch
 
 from fmp.tree import cast_tree
 
-__all__ = ["CastBatch", "cast_batch_args", "check_cast_batch", "warn_cast_overflow"]
-
 CastBatch = bool | Sequence[bool]
 
 

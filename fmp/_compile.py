@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from fmp._donation import prepared_on_host
-
-__all__ = ["compile", "inductor_workarounds"]
+from fmp._step_type import TrainStep
 
 
 def _torch_version() -> tuple[int, int]:
@@ -85,26 +85,81 @@ class _LossGraph:
             return self.compiled(*args)
 
 
-def _split_step(phases: Any, kwargs: dict[str, Any], loss_fullgraph: bool | None = None
+def _split_step(step: TrainStep, kwargs: dict[str, Any], loss_fullgraph: bool | None = None
                 ) -> Callable[..., Any]:
     """A train step as two compiled graphs: the scaled loss (AOTAutograd splits its forward
     and backward; autograd runs the backward) and the update (unscale, check, optimizer,
     select, loss scale)."""
-    loss_c = _LossGraph(phases.scaled_loss, kwargs, loss_fullgraph)
-    update_c = torch.compile(phases.update_phase, **kwargs)
+    loss_c = _LossGraph(step.scaled_loss, kwargs, loss_fullgraph)
+    update_c = torch.compile(step.update_phase, **kwargs)
 
-    def step(state: Any, *batch: Any) -> Any:
-        return phases.run(state, batch, loss_c, update_c)
+    def run(state: Any, *batch: Any) -> Any:
+        return step.run(state, batch, loss_c, update_c)
 
-    return step
+    return run
+
+
+def _whole_step(step: TrainStep, kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """A train step as one compiled graph, after the host-side work a step traced whole
+    cannot do (norm policies, copies of tensors a donated step must not write)."""
+    whole = torch.compile(step, **kwargs)
+
+    def run(state: Any, *batch: Any) -> Any:
+        state = step.private(state)
+        with prepared_on_host():
+            return whole(state, *batch)
+
+    return run
+
+
+def _patched(fn: Callable[..., Any], patch: Mapping[str, Any]) -> Callable[..., Any]:
+    """``fn`` run under ``torch._inductor.config.patch(patch)`` (``fn`` itself if empty)."""
+    if not patch:
+        return fn
+    patch = dict(patch)
+
+    def run(*args: Any, **kw: Any) -> Any:
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(patch):
+            return fn(*args, **kw)
+
+    return run
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompiledStep:
+    """A :class:`fmp.TrainStep` compiled by :func:`fmp.compile`: ``state, metrics =
+    compiled(state, *batch)``, the eager step's results.
+
+    Frozen. :func:`fmp.cuda_graph` recognises it and prepares the state through ``step``.
+
+    Attributes:
+        step: the :class:`fmp.TrainStep` it compiles.
+        whole_graph: compiled as one graph (True) or as the loss and update graphs.
+        call: the compiled ``(state, *batch) -> (state, metrics)`` it runs.
+
+    Example:
+        >>> step = fmp.train_step(lambda p, x: (p["w"] * x).sum(), fmp.optim.sgd(0.1))
+        >>> isinstance(fmp.compile(step, backend="eager"), fmp.CompiledStep)
+        True
+    """
+
+    step: TrainStep
+    whole_graph: bool
+    call: Callable[..., Any]
+
+    def __call__(self, state: Any, *batch: Any) -> tuple[Any, dict[str, Any]]:
+        """One compiled step: ``(new_state, metrics)``."""
+        return self.call(state, *batch)
 
 
 def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
             loss_fullgraph: bool | None = None, **kwargs: Any) -> Callable[..., Any]:
     """Compile a train step (or any function) with torch.compile and fmp's workarounds.
 
-    A step from :func:`fmp.train_step` (the function it returns, not a wrapper around it)
-    is compiled as two graphs by default: the loss with its casts, whose forward and
+    A :class:`fmp.TrainStep` (what :func:`fmp.train_step` returns, not a wrapper around
+    it) is compiled as two graphs by default: the loss with its casts, whose forward and
     backward AOTAutograd partitions (its min-cut partitioner picks what the backward keeps
     and recomputes; one graph kept a second logits-sized buffer alive on the GPT-2 step:
     10.3 GB at the peak against 8.5) and autograd runs, then the update (unscale, finite
@@ -126,7 +181,8 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
     ``torch._inductor.config.patch``; they do not leak to other compiled code.
 
     Args:
-        fn: the function to compile, typically a step from :func:`fmp.train_step`.
+        fn: the function to compile, typically a step from :func:`fmp.train_step` (a
+            :class:`CompiledStep` is compiled afresh from its step).
         whole_graph: compile an fmp train step as one graph (forward, backward and update
             in one inductor graph, no partitioner); the loss must then trace whole.
         loss_fullgraph: for the two-graph step, the loss phase's ``fullgraph``: None
@@ -135,7 +191,8 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
         **kwargs: passed to ``torch.compile`` (``fullgraph`` defaults to True here).
 
     Returns:
-        The compiled function.
+        For a :class:`fmp.TrainStep`, a :class:`fmp.CompiledStep`; else the compiled
+        function.
 
     Example:
         >>> step = fmp.compile(lambda x: x * 2, backend="eager")
@@ -143,30 +200,17 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
         2.0
     """
     kwargs.setdefault("fullgraph", True)
-    phases = getattr(fn, "_fmp_phases", None)
     patch = inductor_workarounds()
-    if phases is not None and not whole_graph:
-        compiled = _split_step(phases, kwargs, loss_fullgraph)
-        patch.update(STEP_OPTIONS)
-    else:
-        compiled = torch.compile(fn, **kwargs)
-        if phases is not None:  # host-side work a step traced whole cannot do: norm
-            whole = compiled  # policies, copies of tensors a donated step must not write
-
-            def compiled(state: Any, *batch: Any) -> Any:
-                state = phases.private(state)
-                with prepared_on_host():
-                    return whole(state, *batch)
-
-            compiled.__wrapped__ = fn  # type: ignore[attr-defined]
+    if isinstance(fn, CompiledStep):  # compiled afresh from its step, with these options
+        fn = fn.step
+    if isinstance(fn, TrainStep):
+        if whole_graph:
+            call = _whole_step(fn, kwargs)
+        else:
+            call = _split_step(fn, kwargs, loss_fullgraph)
+            patch.update(STEP_OPTIONS)
+        return CompiledStep(step=fn, whole_graph=whole_graph, call=_patched(call, patch))
+    compiled = torch.compile(fn, **kwargs)
     if not patch:
         return compiled
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kw: Any) -> Any:
-        import torch._inductor.config as inductor_config
-
-        with inductor_config.patch(patch):
-            return compiled(*args, **kw)
-
-    return run
+    return functools.wraps(fn)(_patched(compiled, patch))

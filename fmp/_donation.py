@@ -20,8 +20,6 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["claim", "host_prepared", "prepared_on_host", "private"]
-
 #: id -> weak reference of each tensor a step (or TrainState.create, for fresh optimizer
 #: state) handed out; an entry goes when its tensor does (a plain dict: a lookup is cheap)
 _OWNED: dict[int, weakref.ref] = {}
@@ -39,6 +37,11 @@ def claim(*trees: Any) -> None:
             if isinstance(x, torch.Tensor) and not _owned(x):
                 k = id(x)
                 _OWNED[k] = weakref.ref(x, lambda r, k=k: _OWNED.get(k) is r and _OWNED.pop(k))
+
+
+def all_owned(tree: Any) -> bool:
+    """Whether fmp handed out every tensor leaf of ``tree`` (:func:`private` is a no-op)."""
+    return all(not isinstance(x, torch.Tensor) or _owned(x) for x in optree.tree_leaves(tree))
 
 
 def private(tree: Any) -> Any:

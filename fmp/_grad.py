@@ -20,8 +20,6 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["grad_with_aux"]
-
 #: "auto" picks per call as described above; "func" or "autograd" force one (benchmarks).
 ENGINE = "auto"
 

@@ -22,8 +22,6 @@ import torch
 
 from fmp.policy import Policy, keeps_norms_fp32, module_policies, norm_policy
 
-__all__ = ["ACTIVE", "Active", "default_param_policies", "register"]
-
 _MODELS: weakref.WeakKeyDictionary[torch.nn.Module, None] = weakref.WeakKeyDictionary()
 
 

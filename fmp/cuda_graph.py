@@ -9,8 +9,11 @@ from typing import Any
 import optree
 import torch
 
+from fmp._compile import CompiledStep
 from fmp._donation import prepared_on_host
-from fmp.step import TrainState, _donate_into
+from fmp._step_trees import donate_into
+from fmp._step_type import TrainStep
+from fmp.step import TrainState
 
 __all__ = ["GraphedStep", "cuda_graph"]
 
@@ -92,7 +95,7 @@ class GraphedStep:
             state = state._replace(compute_params=mine.compute_params)
         _copy_into("state", mine, state)
         if isinstance(mine, TrainState) and mine.compute_params is not None:
-            _donate_into(mine.compute_params, mine.params)  # converts to the copy's dtypes
+            donate_into(mine.compute_params, mine.params)  # converts to the copy's dtypes
 
     def __call__(self, state: Any, *batch: Any) -> tuple[Any, dict[str, Any]]:
         """Run the captured step on ``batch``; returns ``(self.state, metrics)``.
@@ -115,7 +118,8 @@ def cuda_graph(step: Callable[..., Any], state: Any, *batch: Any, warmup: int = 
     """Capture a train step in one CUDA graph, to replay it without launch overhead.
 
     ``step`` is any ``step(state, *batch) -> (state, metrics)`` that does not sync the
-    host, typically ``fmp.compile(fmp.train_step(..., donate=True))`` (on the GPT-2 step
+    host: a :class:`fmp.TrainStep`, a :class:`fmp.CompiledStep` or any other function,
+    typically ``fmp.compile(fmp.train_step(..., donate=True))`` (on the GPT-2 step
     on an H200 this is the fastest form: benchmarks/RESULTS.md). The warm-up steps that
     capture needs (lazy initialisation, compilation) run on a side stream, on a copy of
     ``state`` (so they do not train it), or with ``warmup_trains=True`` on ``state``
@@ -153,8 +157,9 @@ def cuda_graph(step: Callable[..., Any], state: Any, *batch: Any, warmup: int = 
         raise ValueError(f"warmup must be an int >= 1, got {warmup!r}")
     _check_cuda("state", state)
     _check_cuda("batch", batch)
-    phases = getattr(step, "_fmp_phases", None) or getattr(
-        getattr(step, "__wrapped__", None), "_fmp_phases", None)
+    phases = step.step if isinstance(step, CompiledStep) else step
+    if not isinstance(phases, TrainStep):
+        phases = None  # a plain callable: no phases to prepare the state with
     if phases is not None:  # the copy the graph reads: current now, so no cast is captured
         state = phases.prepare(phases.private(state))  # and nothing of the module's written
     static_batch = _clone(batch)

@@ -20,21 +20,22 @@ from typing import Any, Literal, TypeVar
 import optree
 import torch
 
+from fmp._fsdp import fsdp_mixed_precision
 from fmp.dtypes import dtype as _dtype
-from fmp.policy import Policy, get_policy
 from fmp.tree import all_finite as _local_all_finite
 
-__all__ = ["all_finite", "all_reduce_grads", "check_group", "check_same_tree",
-           "fsdp_mixed_precision"]
+__all__ = ["GroupReducer", "all_finite", "all_reduce_grads", "check_group", "check_same_tree",
+           "fsdp_mixed_precision", "is_dtensor"]
 
 T = TypeVar("T")
 
 #: Default bucket size for :func:`all_reduce_grads`, as DDP's ``bucket_cap_mb``.
 BUCKET_MB = 25.0
 
-# (process group, tree signature) pairs already checked to agree across ranks. The group
+# (process group, tree signature) pairs that the module's functions, called on their own,
+# already checked to agree across ranks (a step's GroupReducer keeps its own set). The group
 # object is part of the key, so the entry holds it alive and its id cannot be reused.
-_VERIFIED: set[tuple[Any, Any]] = set()
+_CHECKED: set[tuple[Any, Any]] = set()
 
 
 def _dist() -> Any:
@@ -90,7 +91,19 @@ def check_group(group: Any = None) -> Any:
     return group
 
 
-def _is_dtensor(x: Any) -> bool:
+def is_dtensor(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (FSDP2's sharded tensors).
+
+    Args:
+        x: any object.
+
+    Returns:
+        True for a DTensor; False otherwise, and on a torch build without DTensor.
+
+    Example:
+        >>> fmp.distributed.is_dtensor(torch.ones(2))
+        False
+    """
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without DTensor
@@ -144,11 +157,16 @@ def check_same_tree(tree: Any, group: Any = None) -> None:
     Example:
         >>> fmp.distributed.check_same_tree({"w": torch.ones(3)})  # doctest: +SKIP
     """
-    pg = check_group(group)
+    _check_same_tree(tree, check_group(group), _CHECKED)
+
+
+def _check_same_tree(tree: Any, pg: Any, checked: set[tuple[Any, Any]]) -> None:
+    """:func:`check_same_tree` on the group ``pg``, skipped for a signature in ``checked``
+    (to which it adds the signature once every rank agrees)."""
     leaves, spec = optree.tree_flatten(tree)
     key = (pg, spec, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
                            else type(x) for x in leaves))
-    if key in _VERIFIED:
+    if key in checked:
         return
     dist = _dist()
     names = [".".join(map(str, p)) or "<root>" for p in optree.tree_paths(tree)]
@@ -175,7 +193,7 @@ def check_same_tree(tree: Any, group: Any = None) -> None:
         raise ValueError(f"fmp.distributed: the trees to reduce differ across ranks: {what}; "
                          "every rank must hold the same params (same names, shapes and "
                          "dtypes)")
-    _VERIFIED.add(key)
+    checked.add(key)
 
 
 def _buckets(leaves: list[Any], cap_bytes: int) -> list[list[int]]:
@@ -239,6 +257,12 @@ def all_reduce_grads(
         >>> # under torchrun, after torch.distributed.init_process_group("gloo"):
         >>> g = fmp.distributed.all_reduce_grads({"w": torch.ones(3)})  # doctest: +SKIP
     """
+    return _all_reduce_grads(grads, group, op, reduce_dtype, bucket_mb, _CHECKED)
+
+
+def _all_reduce_grads(grads: T, group: Any, op: str, reduce_dtype: str | torch.dtype | None,
+                      bucket_mb: float, checked: set[tuple[Any, Any]]) -> T:
+    """:func:`all_reduce_grads`, its tree check remembered in ``checked``."""
     if op not in ("mean", "sum"):
         raise ValueError(f"all_reduce_grads: op must be 'mean' or 'sum', got {op!r}")
     if not (isinstance(bucket_mb, int | float) and not isinstance(bucket_mb, bool)
@@ -249,12 +273,12 @@ def all_reduce_grads(
     pg = check_group(group)
     leaves, spec = optree.tree_flatten(grads)
     for i, x in enumerate(leaves):
-        if _is_dtensor(x):
+        if is_dtensor(x):
             raise TypeError(f"all_reduce_grads: leaf {i} is a DTensor; FSDP2 (fully_shard) "
                             "already reduces its grads: check them with "
                             "fmp.distributed.all_finite, do not all-reduce them again")
     if not torch.compiler.is_compiling():
-        check_same_tree(grads, pg)
+        _check_same_tree(grads, pg, checked)
     world = _dist().get_world_size(pg)
     out = list(leaves)
     if world == 1:
@@ -296,7 +320,7 @@ def all_finite(tree: Any, group: Any = None) -> torch.Tensor:
         >>> state = fmp.select_tree(ok, new_params, params)  # doctest: +SKIP
     """
     pg = check_group(group)
-    leaves = [x.to_local() if _is_dtensor(x) else x for x in optree.tree_leaves(tree)]
+    leaves = [x.to_local() if is_dtensor(x) else x for x in optree.tree_leaves(tree)]
     local = _local_all_finite(leaves)
     if not any(_is_float(x) for x in leaves):
         backend = str(_dist().get_backend(pg))
@@ -308,59 +332,37 @@ def all_finite(tree: Any, group: Any = None) -> torch.Tensor:
     return flag.reshape(()) > 0
 
 
-def fsdp_mixed_precision(
-    policy: str | Policy,
-    reduce_dtype: str | torch.dtype | None = "float32",
-    *,
-    root: bool = True,
-) -> Any:
-    """An :class:`fmp.Policy` as FSDP2's ``MixedPrecisionPolicy`` for ``fully_shard``.
+class GroupReducer:
+    """A train step's data parallelism over a process group (an :class:`fmp.GradReducer`).
 
-    FSDP2 keeps each sharded param in the dtype it has when ``fully_shard`` is called
-    (cast the module to ``policy.param_dtype`` first), all-gathers it in its
-    ``param_dtype`` for the forward and backward (fmp's compute dtype), reduce-scatters the
-    grads in ``reduce_dtype`` and casts the module's outputs to ``output_dtype``.
-
-    The mapping: ``param_dtype = policy.compute_dtype``, ``output_dtype =
-    policy.output_dtype`` for the root (FSDP2 casts the outputs of *every* ``fully_shard``
-    module to its ``output_dtype``, so inner modules get None with ``root=False`` and
-    hand their outputs on in the compute dtype), ``cast_forward_inputs=True`` (floating
-    inputs are cast to the compute dtype, as :func:`fmp.value_and_grad` does) and
-    ``reduce_dtype`` float32 by
-    default: a sum over many ranks in bfloat16/float16 rounds at every step of the
-    reduction, and with float32 params (the ``*-mixed`` policies) the grads land in float32
-    anyway. For a "true" low-precision policy (``bf16-true``) pass ``reduce_dtype=None``
-    (FSDP2 then reduces in the compute dtype) to halve the gradient traffic.
+    ``reduce`` averages the grads across the group's ranks (:func:`all_reduce_grads`,
+    bucketed); ``all_finite`` agrees on the finite verdict (:func:`all_finite`), so every
+    rank skips together. The check that every rank reduces the same tree runs once per
+    tree signature and reducer (its own record: two steps check for themselves).
+    ``fmp.train_step(..., process_group=g)`` builds one.
 
     Args:
-        policy: a :class:`fmp.Policy` or a spec for :func:`fmp.get_policy`.
-        reduce_dtype: the dtype of the gradient reduce-scatter; None follows the compute
-            dtype (FSDP2's default).
-        root: the policy for the root ``fully_shard`` call (the model's outputs are cast
-            to ``policy.output_dtype``); False for inner modules (``output_dtype=None``).
-
-    Returns:
-        A ``torch.distributed.fsdp.MixedPrecisionPolicy``: pass ``root=False``'s to the
-        inner modules' ``fully_shard`` calls and the default one to the root's.
+        group: a ``torch.distributed.ProcessGroup``, None or ``"default"`` (the default
+            group).
 
     Raises:
-        ValueError: a bad policy spec or dtype.
+        RuntimeError: the group is not usable (see :func:`check_group`).
+        TypeError: ``group`` is neither a ProcessGroup, None nor ``"default"``.
 
     Example:
-        >>> mp = fmp.distributed.fsdp_mixed_precision("bf16-mixed")
-        >>> mp.param_dtype, mp.reduce_dtype, mp.output_dtype
-        (torch.bfloat16, torch.float32, torch.float32)
-        >>> for block in model.blocks:  # doctest: +SKIP
-        ...     fully_shard(block, mp_policy=fmp.distributed.fsdp_mixed_precision(
-        ...         "bf16-mixed", root=False))
-        >>> fully_shard(model, mp_policy=mp)  # doctest: +SKIP
+        >>> reducer = fmp.distributed.GroupReducer("default")  # doctest: +SKIP
+        >>> step = fmp.train_step(loss_fn, opt, reducer=reducer)  # doctest: +SKIP
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    pol = get_policy(policy)
-    return MixedPrecisionPolicy(
-        param_dtype=pol.compute_dtype,
-        reduce_dtype=None if reduce_dtype is None else _dtype(reduce_dtype),
-        output_dtype=pol.output_dtype if root else None,
-        cast_forward_inputs=True,
-    )
+    def __init__(self, group: Any = None) -> None:
+        self.group = None if group == "default" else group
+        check_group(self.group)
+        self._checked: set[tuple[Any, Any]] = set()
+
+    def reduce(self, grads: T) -> T:
+        """``grads`` averaged across the ranks (:func:`all_reduce_grads` with ``"mean"``)."""
+        return _all_reduce_grads(grads, self.group, "mean", None, BUCKET_MB, self._checked)
+
+    def all_finite(self, grads: Any) -> torch.Tensor:
+        """The finite verdict of every rank's grads, the same on each (:func:`all_finite`)."""
+        return all_finite(grads, group=self.group)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Mapping
-from typing import Any, Literal, TypeVar
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal, NoReturn, TypeVar
 
 import torch
 
@@ -85,10 +85,43 @@ class Policy:
 
 _F32, _BF16, _F16 = torch.float32, torch.bfloat16, torch.float16
 
-#: Named policies. Apex's O1 and O2 both keep float32 params (O2's "master weights") and
-#: compute in float16; O1's op-level cast lists are ``autocast=True`` in the train step.
-#: O4 and O5 are the bfloat16 counterparts of O1 and O2 (as in the Apex adapter).
-PRESETS: dict[str, Policy] = {
+
+class _Presets(Mapping[str, Policy]):
+    """The named policies, read-only: a change would alter every later ``get_policy``."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self, table: dict[str, Policy]) -> None:
+        self._table = dict(table)
+
+    def __getitem__(self, name: str) -> Policy:
+        return self._table[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __repr__(self) -> str:
+        return f"PRESETS({self._table!r})"
+
+    def copy(self) -> dict[str, Policy]:
+        """A plain (mutable) dict of the presets."""
+        return dict(self._table)
+
+    def _read_only(self, *_: Any, **__: Any) -> NoReturn:
+        raise TypeError("fmp.PRESETS is read-only (every get_policy call reads it); build "
+                        "your own policy with fmp.Policy(...) or fmp.get_policy('p=f32,c=bf16"
+                        ",o=f32') and pass it where a policy spec is accepted")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _read_only
+
+
+#: Named policies (read-only). Apex's O1 and O2 both keep float32 params (O2's "master
+#: weights") and compute in float16; O1's op-level cast lists are ``autocast=True`` in the
+#: train step. O4 and O5 are the bfloat16 counterparts of O1 and O2 (as in the Apex adapter).
+PRESETS: Mapping[str, Policy] = _Presets({
     "fp32": Policy(_F32, _F32, _F32),
     "bf16-mixed": Policy(_F32, _BF16, _F32),
     "fp16-mixed": Policy(_F32, _F16, _F32),
@@ -100,7 +133,7 @@ PRESETS: dict[str, Policy] = {
     "o3": Policy(_F16, _F16, _F16),
     "o4": Policy(_F32, _BF16, _F32),
     "o5": Policy(_F32, _BF16, _F32),
-}
+})
 
 _ACCEPTED = (
     "a preset (" + ", ".join(k if not k.startswith("o") else k.upper() for k in PRESETS) + "), "

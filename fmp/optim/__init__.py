@@ -41,7 +41,7 @@ part that has it; a ``GradientTransformation`` built from plain functions has no
 from fmp.optim._adam import adam, adamw, scale_by_adam
 from fmp.optim._base import GradientTransformation, apply_updates
 from fmp.optim._chain import chain
-from fmp.optim._inplace import in_place_supported, update_in_place
+from fmp.optim._inplace import in_place_plan, in_place_supported, update_in_place
 from fmp.optim._schedules import Schedule, schedule_ok
 from fmp.optim._sgd import sgd
 from fmp.optim._states import AdamState, EmptyState, ScaleByScheduleState, SgdState, TraceState
@@ -60,6 +60,7 @@ __all__ = [
     "add_decayed_weights",
     "apply_updates",
     "chain",
+    "in_place_plan",
     "in_place_supported",
     "scale",
     "scale_by_adam",

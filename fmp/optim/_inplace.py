@@ -29,7 +29,8 @@ from fmp.optim._states import AdamState, SgdState
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_Lists = tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]
+#: (params, grads, [moments...], the params' treespec)
+_Lists = tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]], Any]
 
 
 def _same_layouts(p: list[torch.Tensor], others: list[list[torch.Tensor]]) -> bool:
@@ -49,7 +50,7 @@ def _uniform(tensors: list[torch.Tensor]) -> bool:
 
 
 def _lists(params: Any, grads: Any, moment_trees: Any) -> _Lists | None:
-    """(params, grads, [moments...]) as lists the fused kernels accept, or None.
+    """(params, grads, [moments...], treespec) as lists the fused kernels accept, or None.
 
     ``moment_trees(state_tree_flattener)`` returns the moment lists (an empty list for an
     absent buffer); any structure mismatch gives None.
@@ -64,7 +65,20 @@ def _lists(params: Any, grads: Any, moment_trees: Any) -> _Lists | None:
         return None
     if not _same_layouts(p, [g, *moments]):
         return None
-    return p, g, moments
+    return p, g, moments, tree
+
+
+def _with_grads(prepared: _Lists, grads: Any) -> _Lists | None:
+    """``prepared`` (checked by :func:`_lists`) with other grads of the same trees: only the
+    grads are flattened and checked again (params and moments are as they were)."""
+    p, _, moments, tree = prepared
+    try:
+        g = tree.flatten_up_to(grads)
+    except (ValueError, TypeError, AttributeError):
+        return None
+    if not (_uniform([p[0], *g]) and _same_layouts(p, [g])):
+        return None
+    return p, g, moments, tree
 
 
 def _scale_kw(grad_scale: torch.Tensor | None, found_inf: torch.Tensor) -> dict[str, Any]:
@@ -88,7 +102,7 @@ class _SgdInPlace:
 
     def run(self, prepared: _Lists, state: SgdState, grad_scale: torch.Tensor | None,
             found_inf: torch.Tensor) -> SgdState:
-        p, g, (buf,) = prepared
+        p, g, (buf,), _ = prepared
         count = state.count
         finite_i = (found_inf == 0).to(count.dtype)
         lr = _lr_at(self.lr, count)
@@ -114,7 +128,7 @@ class _AdamInPlace:
 
     def run(self, prepared: _Lists, state: AdamState, grad_scale: torch.Tensor | None,
             found_inf: torch.Tensor) -> AdamState:
-        p, g, (mu, nu, nu_max) = prepared
+        p, g, (mu, nu, nu_max), _ = prepared
         count = state.count
         finite_i = (found_inf == 0).to(count.dtype)
         lr = _lr_at(self.lr, count)
@@ -176,14 +190,44 @@ def in_place_supported(optimizer: GradientTransformation, params: Any, grads: An
         ...                              opt.init(p))
         False
     """
+    return in_place_plan(optimizer, params, grads, state) is not None
+
+
+def in_place_plan(optimizer: GradientTransformation, params: Any, grads: Any,
+                  state: Any) -> Any | None:
+    """:func:`in_place_supported`'s check, kept for :func:`update_in_place`'s ``plan``.
+
+    The check flattens the params, grads and moments and checks their dtypes and layouts;
+    with the plan, :func:`update_in_place` flattens and checks only the grads it is given
+    (which may be new tensors by then: unscaled, reduced) instead of all of it again.
+
+    Args:
+        optimizer: a :class:`GradientTransformation`.
+        params: the params tree.
+        grads: grads of the same structure.
+        state: the optimizer state.
+
+    Returns:
+        An opaque plan, or None where :func:`in_place_supported` is False.
+
+    Example:
+        >>> p, opt = {"w": torch.ones(2)}, fmp.optim.sgd(0.1)
+        >>> plan = fmp.optim.in_place_plan(opt, p, {"w": torch.ones(2)}, opt.init(p))
+        >>> s = fmp.optim.update_in_place(opt, p, {"w": torch.ones(2)}, opt.init(p), None,
+        ...                               torch.zeros(()), plan=plan)
+        >>> p["w"]
+        tensor([0.9000, 0.9000])
+    """
     kernel = _kernel(optimizer)
     if kernel is None or not eager_kernels_ok():
-        return False
-    return kernel.prepare(params, grads, state) is not None
+        return None
+    prepared = kernel.prepare(params, grads, state)
+    return None if prepared is None else (kernel, prepared)
 
 
 def update_in_place(optimizer: GradientTransformation, params: Any, grads: Any, state: Any,
-                    grad_scale: torch.Tensor | None, found_inf: torch.Tensor) -> Any | None:
+                    grad_scale: torch.Tensor | None, found_inf: torch.Tensor, *,
+                    plan: Any | None = None) -> Any | None:
     """Unscale, update and skip in one fused in-place pass; the new state, or None.
 
     The params and the moment tensors of ``state`` are overwritten with what
@@ -199,6 +243,8 @@ def update_in_place(optimizer: GradientTransformation, params: Any, grads: Any, 
         state: the optimizer state (its moment tensors are overwritten in place).
         grad_scale: 0-d float32 tensor the grads are divided by, or None.
         found_inf: 0-d float32 tensor, 1.0 to skip the update (nothing is written).
+        plan: :func:`in_place_plan` of these params and state (and grads of the same
+            trees), made since neither changed: then only ``grads`` are checked again.
 
     Returns:
         The new state (a new count tensor, which does not move on a skip; the moment
@@ -213,10 +259,14 @@ def update_in_place(optimizer: GradientTransformation, params: Any, grads: Any, 
         >>> p["w"], s.count
         (tensor([0.9000, 0.9000]), tensor(1, dtype=torch.int32))
     """
-    kernel = _kernel(optimizer)
-    if kernel is None or not eager_kernels_ok():
-        return None
-    prepared = kernel.prepare(params, grads, state)
+    if plan is not None:
+        kernel, prepared = plan
+        prepared = _with_grads(prepared, grads) if eager_kernels_ok() else None
+    else:
+        kernel = _kernel(optimizer)
+        if kernel is None or not eager_kernels_ok():
+            return None
+        prepared = kernel.prepare(params, grads, state)
     if prepared is None:
         return None
     return kernel.run(prepared, state, grad_scale, found_inf)
