@@ -28,7 +28,7 @@ FLAT = ["fmp.dtypes", "fmp.tree", "fmp.policy", "fmp.loss_scale", "fmp.step",
 #: Public fmp modules exported as namespaces (``fmp.optim.adam``, not ``fmp.adam``).
 NAMESPACES = ["checkpoint", "distributed", "optim"]
 #: Trees whose private modules must not define ``__all__`` (the lead widens it: "fmp").
-ROOTS = ["adapters"]
+ROOTS = ["adapters", "fmp"]
 #: Private modules not yet cleaned up by their owner (the lead empties it).
 NOT_YET: set[str] = set()
 MAX_LINES = 400
@@ -148,8 +148,8 @@ def test_private_use_scan_finds_what_it_must():
     assert [u.split(":")[0] for u in uses] == ["line 1", "line 2", "line 3", "line 5", "line 6"]
 
 
-@pytest.mark.parametrize("path", [_rel(p) for p in _py_files("adapters")])
-def test_adapter_files_are_short(path):
+@pytest.mark.parametrize("path", [_rel(p) for p in _py_files("adapters") + _py_files("fmp")])
+def test_files_are_short(path):
     n = len((REPO / path).read_text().splitlines())
     assert n < MAX_LINES, f"{path} has {n} lines (the limit is {MAX_LINES})"
 
@@ -191,10 +191,7 @@ def test_deactivate_is_exported():
 
 
 def test_is_dtensor_has_one_home():
-    # The adapter asks fmp; its local copy serves only until fmp.distributed.is_dtensor
-    # exists (then the lead drops the copy and this test's condition).
     from adapters.apex.amp import _optimizer
 
-    if hasattr(fmp.distributed, "is_dtensor"):
-        assert _optimizer.is_dtensor is fmp.distributed.is_dtensor
+    assert _optimizer.is_dtensor is fmp.distributed.is_dtensor
     assert _optimizer.is_dtensor(torch.ones(1)) is False

@@ -25,19 +25,7 @@ import fmp.distributed
 from adapters.apex.amp._errors import AmpError
 from adapters.apex.amp._master import MasterWeights, is_low_precision
 
-
-def _is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2's params and grads)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(t, DTensor)
-
-
-#: Whether a tensor is a DTensor: fmp's public ``fmp.distributed.is_dtensor``; the local
-#: copy above serves only until that name lands in fmp (then it goes).
-is_dtensor: Callable[[Any], bool] = getattr(fmp.distributed, "is_dtensor", None) or _is_dtensor
+is_dtensor = fmp.distributed.is_dtensor
 
 
 def unwrap_larc(objs: Any) -> Any:
