@@ -287,3 +287,19 @@ def test_a_donated_fused_step_checks_its_trees_once_and_copies_nothing_after_the
         assert bool(m["skipped"]) == bool(m_r["skipped"]) == inf
         torch.testing.assert_close(state.params, ref_state.params, rtol=1e-5, atol=1e-6)
     assert calls == {"lists": 3, "private": 0}
+
+
+def test_host_walks_script_counts_a_few_walks_per_donated_step():
+    """benchmarks/host_walks.py runs, and one eager donated step walks its trees a few
+    times (before issue 17: 17 optree walks and 58 Python passes over the leaves)."""
+    import sys
+
+    sys.path.insert(0, str(FMP.parent / "benchmarks"))
+    try:
+        import host_walks
+    finally:
+        sys.path.pop(0)
+    r = host_walks.measure("mlp", steps=1)
+    assert r["params"] == 34
+    assert 0 < r["optree_walks"] <= 13 and 0 < r["python_leaf_loops"] <= 34, r
+    assert not any("_lists" in k for k, v in r["by_caller"].items() if v > 1), r
