@@ -34,10 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "adapters")]
 
+import models  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-import models  # noqa: E402
 from resnet_tiny import TinyResNet  # noqa: E402
 
 
