@@ -153,7 +153,11 @@ class O1Mode(TorchFunctionMode):
 
     # -- casting helpers ------------------------------------------------------------------
     def _cast(self, x: torch.Tensor, dt: torch.dtype, name: str) -> torch.Tensor:
-        if x.dtype == dt or x.device.type != self.device_type:
+        if x.dtype == dt:
+            return x
+        dev = self.device_type
+        if not (x.is_cuda if dev == "cuda" else x.is_cpu if dev == "cpu"
+                else x.device.type == dev):
             return x
         if self.verbose:
             print(f"{'Float' if x.dtype == torch.float32 else x.dtype}->"
@@ -197,9 +201,19 @@ class O1Mode(TorchFunctionMode):
     def half_args(self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
                   cache: bool = True) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Every floating argument in the low dtype (params through the cache)."""
-        if cache:
-            return self._map(args, kwargs, lambda t: self._cached(t, name))
-        return self._map(args, kwargs, lambda t: self._cast(t, self.low, name))
+        if not cache:
+            return self._map(args, kwargs, lambda t: self._cast(t, self.low, name))
+        low, cached = self.low, self._cached
+
+        def one(a: Any) -> Any:  # _map's walk with _cached inlined (the hot path)
+            if isinstance(a, _Tensor):
+                return a if a.dtype == low or not a.is_floating_point() else cached(a, name)
+            if isinstance(a, list | tuple) and _fp(a):
+                return type(a)(one(y) for y in a)
+            return a
+
+        return (tuple([one(a) for a in args]),
+                {k: one(v) for k, v in kwargs.items()} if kwargs else kwargs)
 
     def float_args(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                    name: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
