@@ -163,5 +163,5 @@ def test_registered_functions_apply_at_init_and_cache_members():
 
 def test_docstring_examples():
     result = doctest.testmod(_handle, extraglobs={**vars(_handle), "torch": torch})
-    _o1_install.uninstall()
+    amp.deactivate()
     assert result.failed == 0

@@ -147,7 +147,7 @@ def test_register_on_a_user_namespace_wraps_and_is_undone():
     assert ns.f(x, x).dtype == F16 and ns.mm(x, x).dtype == F32 and torch.mm(x, x).dtype == F16
     half_f = Amp.half_function(f)
     assert half_f(x, x).dtype == F16
-    _o1_install.uninstall()
+    apex_amp.deactivate()
     assert ns.f is f and ns.mm is torch.mm and half_f(x, x).dtype == F32
 
 
@@ -298,7 +298,7 @@ def test_cuda_only_the_amp_device_is_cast():
 def test_docstring_examples(name):
     mod = importlib.import_module(name)
     result = doctest.testmod(mod, extraglobs={**vars(mod), "torch": torch})
-    _o1_install.uninstall()
+    apex_amp.deactivate()
     assert result.failed == 0
 
 

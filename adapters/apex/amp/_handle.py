@@ -41,13 +41,12 @@ def _scaler(loss_scale: Any) -> Any:
 
 
 def _unscale_check(scaler: Any, params: list[torch.Tensor]) -> tuple[Any, bool]:
-    """Unscale the grads in place; the next scaler and whether to skip (syncs once)."""
+    """Unscale the grads in place (the record's ``unscale_and_check_``: one pass per device
+    and dtype, no host sync); the next scaler and whether to skip (syncs once, for the
+    skip the handle's ``step`` decides on the host)."""
     grads = [p.grad for p in params if p.grad is not None]
     with torch.no_grad():
-        if grads:
-            inv = (1.0 / scaler.loss_scale.float()).item()
-            torch._foreach_mul_(grads, inv)
-        finite = fmp.all_finite(grads) if grads else torch.tensor(True)
+        finite = scaler.unscale_and_check_(grads) == 0 if grads else torch.tensor(True)
     ok = bool(finite.item())
     dynamic = isinstance(scaler, fmp.DynamicLossScale)
     return (scaler.adjust(finite) if dynamic else scaler), (dynamic and not ok)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from adapters.apex.amp import _o1_stack
 from adapters.apex.amp._o1_mode import O1Mode, _rules, _types
 
 _CURRENT: O1Mode | None = None
@@ -25,34 +26,6 @@ _CURRENT: O1Mode | None = None
 # ---------------------------------------------------------------------------------------
 # installing the mode on the stack
 # ---------------------------------------------------------------------------------------
-def _stack_ops() -> tuple[Any, Any, Any] | None:
-    c = torch._C
-    ops = (getattr(c, "_len_torch_function_stack", None),
-           getattr(c, "_pop_torch_function_stack", None),
-           getattr(c, "_push_on_torch_function_stack", None))
-    return ops if all(ops) else None  # type: ignore[return-value]
-
-
-def _rebuild(keep: Callable[[Any], bool], insert: Any = None) -> None:
-    """Rebuild this thread's mode stack without the modes ``keep`` rejects, ``insert``
-    placed at the bottom (above torch's DeviceContext, which must stay lowest)."""
-    ops = _stack_ops()
-    if ops is None:  # pragma: no cover - very old or very new torch: plain push/pop
-        if insert is not None:
-            insert.__enter__()
-        return
-    length, pop, push = ops
-    stack = [pop() for _ in range(length())][::-1]  # bottom first
-    stack = [m for m in stack if keep(m)]
-    if insert is not None:
-        from torch.utils._device import DeviceContext
-
-        at = 1 if stack and isinstance(stack[0], DeviceContext) else 0
-        stack.insert(at, insert)
-    for m in stack:
-        push(m)
-
-
 def current() -> O1Mode | None:
     """The installed O1 mode, or None.
 
@@ -80,7 +53,7 @@ def install(mode: O1Mode) -> O1Mode:
     """
     global _CURRENT
     uninstall()
-    _rebuild(lambda m: not isinstance(m, O1Mode), mode)
+    _o1_stack.rebuild(lambda m: not isinstance(m, O1Mode), mode)
     _CURRENT = mode
     _patch_rnn_input_check(mode)
     return mode
@@ -120,8 +93,9 @@ def uninstall() -> None:
     """
     global _CURRENT
     mode, _CURRENT = _CURRENT, None
-    _rebuild(lambda m: not isinstance(m, O1Mode))
+    _o1_stack.rebuild(lambda m: not isinstance(m, O1Mode))
     if mode is not None:
+        _o1_stack.forget(mode)
         for owner, name, fn in reversed(mode.patches):
             setattr(owner, name, fn)
         mode.patches.clear()
@@ -193,6 +167,28 @@ def _no_casts_in_step(optimizer: Any) -> None:
     # a bound method, as LR schedulers expect (they wrap ``step.__func__``)
     optimizer.step = types.MethodType(step, optimizer)
     optimizer._amp_o1_step = True
+    _no_casts_in_zero_grad(optimizer)
+
+
+def _no_casts_in_zero_grad(optimizer: Any) -> None:
+    """Run torch's own ``zero_grad`` with the casts off: it calls nothing on Apex's lists
+    (grads set to None, ``detach_``/``requires_grad_``/``_foreach_zero_``), so the results
+    are the same, without a trip through the mode per param. An optimizer class with a
+    ``zero_grad`` of its own keeps the casts on in it, as in Apex."""
+    rec = getattr(optimizer, "_amp_stash", None)
+    inner = getattr(rec, "_orig_zero_grad", None)
+    if (getattr(inner, "__func__", None) is not torch.optim.Optimizer.zero_grad
+            or getattr(inner, "__self__", None) is not optimizer):
+        return
+
+    def zero_grad(self: Any, set_to_none: bool = True) -> None:
+        m = _CURRENT
+        if m is None:
+            return torch.optim.Optimizer.zero_grad(self, set_to_none)
+        with m.casts(False):
+            return torch.optim.Optimizer.zero_grad(self, set_to_none)
+
+    rec._orig_zero_grad = types.MethodType(zero_grad, optimizer)
 
 
 def activate(owner: Any, low: torch.dtype, device_type: str, optimizers: list[Any],

@@ -23,6 +23,10 @@ amp device (the device type of the initialized model; Apex: CUDA):
 
 ``amp.disable_casts()`` turns it off inside; ``optimizer.step()`` of an initialized
 optimizer runs with casts off (as in Apex); ``register_*_function`` add rules.
+While the casts are off the mode leaves this thread's mode stack (and comes back to its
+place after, :mod:`adapters.apex.amp._o1_stack`), so those regions, and torch's own
+``Optimizer.zero_grad`` (which calls nothing on the lists), cost no Python call per torch
+call; functions on no list return from the handler at once.
 
 Differences from Apex that remain:
 
@@ -65,9 +69,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from adapters.apex.amp import _o1_stack
 from adapters.apex.amp._o1_lists import BANNED_MESSAGE, build_rules
 
 _RULES: dict[Any, tuple[str, str]] | None = None
+_Tensor = torch.Tensor
+_F32 = torch.float32
 
 
 def _rules() -> dict[Any, tuple[str, str]]:
@@ -83,24 +90,34 @@ def _short(dt: torch.dtype) -> str:
 
 def _fp(x: Any) -> bool:
     """Apex's ``is_fp_tensor``: a floating tensor, or a list/tuple of them only."""
+    if isinstance(x, _Tensor):
+        return x.is_floating_point()
     if isinstance(x, list | tuple):
         return len(x) > 0 and all(_fp(y) for y in x)
-    return isinstance(x, torch.Tensor) and x.is_floating_point()
+    return False
+
+
+def _visit(x: Any, out: set[torch.dtype]) -> None:
+    if isinstance(x, list | tuple):
+        for y in x:
+            _visit(y, out)
+    else:
+        out.add(x.dtype)
 
 
 def _types(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[torch.dtype]:
+    """The dtypes of the floating args (top level, or lists/tuples of them only)."""
     out: set[torch.dtype] = set()
-
-    def visit(x: Any) -> None:
-        if isinstance(x, list | tuple):
-            for y in x:
-                visit(y)
-        else:
-            out.add(x.dtype)
-
-    for a in (*args, *kwargs.values()):
-        if _fp(a):
-            visit(a)
+    for a in args:
+        if isinstance(a, _Tensor):
+            if a.is_floating_point():
+                out.add(a.dtype)
+        elif _fp(a):
+            _visit(a, out)
+    if kwargs:
+        for a in kwargs.values():
+            if _fp(a):
+                _visit(a, out)
     return out
 
 
@@ -136,10 +153,15 @@ class O1Mode(TorchFunctionMode):
         self.cache: dict[Any, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.user_rules: dict[Any, tuple[str, str]] = {}
         self.patches: list[tuple[Any, str, Any]] = []
+        self._table = _rules()
 
     # -- casting helpers ------------------------------------------------------------------
     def _cast(self, x: torch.Tensor, dt: torch.dtype, name: str) -> torch.Tensor:
-        if x.dtype == dt or x.device.type != self.device_type:
+        if x.dtype == dt:
+            return x
+        dev = self.device_type
+        if not (x.is_cuda if dev == "cuda" else x.is_cpu if dev == "cpu"
+                else x.device.type == dev):
             return x
         if self.verbose:
             print(f"{'Float' if x.dtype == torch.float32 else x.dtype}->"
@@ -148,40 +170,54 @@ class O1Mode(TorchFunctionMode):
 
     def _cached(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A half cast of a float32 param, from the cache when still valid."""
+        if x.dtype == self.low:  # nothing to cast (and never cached)
+            return x
         if (not self.enable_caching or not isinstance(x, torch.nn.Parameter)
-                or x.dtype != torch.float32 or torch.is_inference_mode_enabled()
+                or x.dtype != _F32 or torch.is_inference_mode_enabled()
                 or torch.compiler.is_compiling()):
             return self._cast(x, self.low, name)
         version = getattr(x, "_version", None)
         entry = self.cache.get(id(x))
         if entry is not None:
             p, v, c = entry
-            stale = p is not x or v != version or c.is_inference()
             # Apex: with grad on, a cast made under no_grad (or vice versa) is remade
-            if not stale and not (torch.is_grad_enabled() and x.requires_grad != c.requires_grad):
+            if p is x and v == version and not c.is_inference() and not (
+                    x.requires_grad != c.requires_grad and torch.is_grad_enabled()):
                 return c
         c = self._cast(x, self.low, name)
         self.cache[id(x)] = (x, version, c)
         return c
 
+    def _one(self, a: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        if isinstance(a, _Tensor):
+            return fn(a) if a.is_floating_point() else a
+        if isinstance(a, list | tuple) and _fp(a):
+            return type(a)(self._one(y, fn) for y in a)
+        return a
+
     def _map(self, args: tuple[Any, ...], kwargs: dict[str, Any],
              fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Apply ``fn`` to the floating args (top level, or lists/tuples of them only)."""
-        def one(a: Any) -> Any:
-            if not _fp(a):
-                return a
-            if isinstance(a, list | tuple):
-                return type(a)(one(y) for y in a)
-            return fn(a)
-
-        return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+        one = self._one
+        return (tuple([one(a, fn) for a in args]),
+                {k: one(v, fn) for k, v in kwargs.items()} if kwargs else kwargs)
 
     def half_args(self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
                   cache: bool = True) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Every floating argument in the low dtype (params through the cache)."""
-        if cache:
-            return self._map(args, kwargs, lambda t: self._cached(t, name))
-        return self._map(args, kwargs, lambda t: self._cast(t, self.low, name))
+        if not cache:
+            return self._map(args, kwargs, lambda t: self._cast(t, self.low, name))
+        low, cached = self.low, self._cached
+
+        def one(a: Any) -> Any:  # _map's walk with _cached inlined (the hot path)
+            if isinstance(a, _Tensor):
+                return a if a.dtype == low or not a.is_floating_point() else cached(a, name)
+            if isinstance(a, list | tuple) and _fp(a):
+                return type(a)(one(y) for y in a)
+            return a
+
+        return (tuple([one(a) for a in args]),
+                {k: one(v) for k, v in kwargs.items()} if kwargs else kwargs)
 
     def float_args(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                    name: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -212,9 +248,14 @@ class O1Mode(TorchFunctionMode):
     # -- the mode -------------------------------------------------------------------------
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        rule = self.user_rules.get(func) or _rules().get(func)
-        if rule is None or not self.active:
+        # the common case first, with the least work: casts off, or a function on no list
+        if kwargs is None:
+            kwargs = {}
+        if not self.active:
+            return func(*args, **kwargs)
+        user = self.user_rules
+        rule = (user.get(func) if user else None) or self._table.get(func)
+        if rule is None:
             return func(*args, **kwargs)
         kind, name = rule
         if kind == "half":
@@ -276,10 +317,15 @@ class O1Mode(TorchFunctionMode):
     def casts(self, on: bool) -> Iterator[None]:
         """A context with the casts on (``True``) or off (``False``) inside."""
         was, self.active = self.active, on
+        # off: the mode leaves this thread's stack (no Python call per torch call); on
+        # inside an off region: it goes back (see adapters.apex.amp._o1_stack)
+        undo = _o1_stack.put_back(self) if on else _o1_stack.take_off(self)
         try:
             yield
         finally:
             self.active = was
+            if undo is not None:
+                undo()
 
     def clear_cache(self) -> None:
         """Drop every cached cast (Apex did this at the end of each ``scale_loss``)."""
