@@ -65,8 +65,13 @@ def _policies(text: str) -> tuple[str, ...]:
             raise argparse.ArgumentTypeError(
                 f"{name!r}: key=dtype specs cannot be listed here (their commas separate "
                 f"policies); use a preset such as fp32, bf16-mixed, fp16-mixed, bf16-true")
+        base, plus, write = name.partition("+")
+        if plus and write not in fmp.optim.BF16_UPDATES:
+            raise argparse.ArgumentTypeError(
+                f"{name!r}: unknown bf16 update {write!r} after '+'; accepted: "
+                f"{', '.join(fmp.optim.BF16_UPDATES)} (e.g. bf16-true+kahan)")
         try:
-            fmp.get_policy(name)
+            fmp.get_policy(base)
         except ValueError:
             presets = ", ".join(k for k in fmp.PRESETS if not k.startswith("o"))
             raise argparse.ArgumentTypeError(
