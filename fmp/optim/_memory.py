@@ -8,17 +8,19 @@ import optree
 import torch
 
 
-def state_bytes_per_param(params: Any, opt_state: Any = None) -> float:
+def state_bytes_per_param(params: Any, opt_state: Any = None, *, grads: bool = False) -> float:
     """Bytes of the params and the optimizer state per parameter element.
 
     Counts every tensor of ``params`` and ``opt_state`` (moments, compensation buffers,
-    counters and keys), divided by the number of elements of the floating params. Grads
-    and activations (transient) are not counted. bfloat16 params with a bf16 Kahan buffer
-    and bf16 Adam moments cost 8 bytes; float32 masters with float32 moments 12.
+    counters and keys), divided by the number of elements of the floating params;
+    ``grads=True`` adds one grad per param in the param's dtype. Activations are not
+    counted. bfloat16 params with a bf16 Kahan buffer and bf16 Adam moments cost 8 bytes
+    (10 with grads); float32 masters with float32 moments 12 (16 with grads).
 
     Args:
         params: the params tree.
         opt_state: the optimizer state (``optimizer.init(params)``), or None.
+        grads: also count the grads (one per param, in the param's dtype).
 
     Returns:
         The bytes per param element (0.0 for a tree without floating params).
@@ -34,4 +36,7 @@ def state_bytes_per_param(params: Any, opt_state: Any = None) -> float:
     if n == 0:
         return 0.0
     held = leaves + [x for x in optree.tree_leaves(opt_state) if isinstance(x, torch.Tensor)]
-    return sum(x.numel() * x.element_size() for x in held) / n
+    total = sum(x.numel() * x.element_size() for x in held)
+    if grads:
+        total += sum(x.numel() * x.element_size() for x in leaves if x.is_floating_point())
+    return total / n
