@@ -270,3 +270,34 @@ def test_demo_names_the_bf16_rows_and_rejects_an_unknown_write():
 
     with pytest.raises(argparse.ArgumentTypeError, match="unknown bf16 update 'fast'"):
         _policies("bf16-true+fast")
+
+
+def test_hf_gpt2_pure_bf16_with_compensation_trains_like_bf16_mixed_and_plain_bf16_stalls():
+    """A model nobody here wrote (transformers' GPT-2, tiny config) at a small learning rate:
+    Adam's steps fall below half a bf16 spacing of most weights, so plain bf16 loses them."""
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(1))
+    drop = {}
+    for policy, mode in [("bf16-mixed", None), ("bf16-true", None), ("bf16-true", "kahan"),
+                         ("bf16-true", "stochastic")]:
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
+                                      n_head=2, bos_token_id=0, eos_token_id=0,
+                                      tie_word_embeddings=True)
+        apply_fn, params, _ = fmp.functional(transformers.GPT2LMHeadModel(cfg).train())
+        params = fmp.get_policy(policy).cast_to_param(params)
+        opt = fmp.optim.adamw(3e-5, weight_decay=0.0, state_dtype="bf16" if mode else "f32",
+                              bf16_update=mode)
+        step = fmp.train_step(lambda p, x, f=apply_fn: f(p, input_ids=x, labels=x).loss, opt,
+                              policy)
+        state = fmp.TrainState.create(params, opt)
+        losses = []
+        for _ in range(20):
+            state, m = step(state, ids)
+            losses.append(float(m["loss"]))
+        drop[policy, mode] = losses[0] - losses[-1]
+    ref = drop["bf16-mixed", None]
+    assert ref > 0
+    assert abs(drop["bf16-true", "kahan"] - ref) < 0.1 * ref
+    assert abs(drop["bf16-true", "stochastic"] - ref) < 0.15 * ref
+    assert drop["bf16-true", None] < 0.4 * ref  # the counter-example: plain bf16 stalls
