@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "%(default)s)")
     p.add_argument("--policies", type=_policies, default=",".join(DEFAULT_POLICIES),
                    help="comma-separated policies: fmp presets (fp32, bf16-mixed, "
-                        "fp16-mixed, bf16-true, ...) or Apex opt levels O0-O5 run through "
-                        "adapters.apex (default: %(default)s)")
+                        "fp16-mixed, bf16-true, ...), bf16-true+kahan / bf16-true+stochastic "
+                        "(bf16 params, no float32 masters, bf16 moments) or Apex opt levels "
+                        "O0-O5 run through adapters.apex (default: %(default)s)")
     p.add_argument("--seed", type=_seed, default=d.seed,
                    help="seed of the split, the initial weights and the batch order "
                         "(default: %(default)s)")

@@ -67,10 +67,11 @@ def _leaves(fn: str, updates: Any, params: Any) -> tuple[list[Any], list[Any], A
                          "each param); got params=None")
     u, spec = optree.tree_flatten(updates)
     p = _flatten_like(params, spec, "params", "updates")
-    for path, a, b in zip(spec.paths(), u, p, strict=True):
+    for i, (a, b) in enumerate(zip(u, p, strict=True)):
         if getattr(a, "shape", None) != getattr(b, "shape", None):
-            raise ValueError(f"{fn}.update: updates leaf {'.'.join(map(str, path))!r} has "
-                             f"shape {tuple(a.shape)} but its param {tuple(b.shape)}")
+            path = ".".join(map(str, spec.paths()[i]))
+            raise ValueError(f"{fn}.update: updates leaf {path!r} has shape "
+                             f"{tuple(a.shape)} but its param {tuple(b.shape)}")
     return u, p, spec
 
 
