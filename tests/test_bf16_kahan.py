@@ -10,7 +10,7 @@ import torch
 
 import fmp
 from fmp.demo.cli import _policies
-from fmp.optim._bits import leaf_seed, random16, stochastic_round_bf16
+from fmp.optim._bits import leaf_seed, random16, round_bf16, stochastic_round_bf16
 
 BF16 = torch.bfloat16
 
@@ -301,3 +301,26 @@ def test_hf_gpt2_pure_bf16_with_compensation_trains_like_bf16_mixed_and_plain_bf
     assert abs(drop["bf16-true", "kahan"] - ref) < 0.1 * ref
     assert abs(drop["bf16-true", "stochastic"] - ref) < 0.15 * ref
     assert drop["bf16-true", None] < 0.4 * ref  # the counter-example: plain bf16 stalls
+
+
+def test_round_bf16_with_integer_ops_is_torchs_cast_and_float16_is_refused():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(100_000, generator=g) * torch.exp2(torch.randint(-140, 120, (100_000,),
+                                                                     generator=g).float())
+    x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4e38, 1e-45])])
+    assert torch.equal(round_bf16(x), x.to(BF16).float())
+    assert torch.isnan(round_bf16(torch.tensor([float("nan")]))).all()
+    with pytest.raises(ValueError, match=r"param 'h' is float16.*fp16-mixed"):
+        fmp.optim.adamw(bf16_update="kahan").init({"h": torch.ones(2, dtype=torch.float16)})
+
+
+@pytest.mark.slow
+def test_compiled_kahan_rounds_as_eager():
+    """inductor may drop a bf16 cast pair inside a fused kernel (emulate_precision_casts off):
+    the roundings are integer ops, so the compiled update keeps its compensation."""
+    g = torch.Generator().manual_seed(5)
+    p = {"w": torch.randn(256, generator=g).to(BF16)}
+    u = {"w": torch.randn(256, generator=g) * 1e-3}
+    t = fmp.optim.kahan_summation()
+    s = t.init(p)
+    assert _bits_equal(torch.compile(t.update, fullgraph=True)(u, s, p), t.update(u, s, p))

@@ -18,11 +18,11 @@ import optree
 import torch
 
 from fmp.optim._base import GradientTransformation
-from fmp.optim._bits import leaf_seed, random16, stochastic_round_bf16
+from fmp.optim._bits import leaf_seed, random16, round_bf16, stochastic_round_bf16
 from fmp.optim._chain import chain
 from fmp.optim._leafwise import _flatten_like, _flatten_params
 
-_LOW = (torch.bfloat16, torch.float16)
+_LOW = (torch.bfloat16,)
 BF16_UPDATES = ("kahan", "stochastic")
 
 
@@ -30,9 +30,9 @@ class KahanState(NamedTuple):
     """State of :func:`kahan_summation`.
 
     Attributes:
-        compensation: a tree like the params: for each bfloat16 / float16 param the part of
-            the updates its stored value lost to rounding so far (same dtype and shape);
-            for other params an empty tensor (their updates pass through).
+        compensation: a tree like the params: for each bfloat16 param the part of the
+            updates its stored value lost to rounding so far (bf16, same shape); for
+            float32 / float64 params an empty tensor (their updates pass through).
 
     Example:
         >>> fmp.optim.kahan_summation().init({"w": torch.ones(2, dtype=torch.bfloat16)})
@@ -75,11 +75,20 @@ def _leaves(fn: str, updates: Any, params: Any) -> tuple[list[Any], list[Any], A
     return u, p, spec
 
 
+def _no_float16(fn: str, where: str, leaves: list[torch.Tensor], spec: Any) -> None:
+    for i, x in enumerate(leaves):
+        if x.dtype == torch.float16:
+            path = ".".join(map(str, spec.paths()[i]))
+            raise ValueError(f"{fn}.{where}: param {path!r} is float16; {fn} supports "
+                             "bfloat16 params (float32 / float64 pass through); float16 "
+                             "params want float32 masters (the 'fp16-mixed' policy)")
+
+
 def kahan_summation() -> GradientTransformation:
-    """Kahan-compensated writes into bfloat16 / float16 params (no float32 master copy).
+    """Kahan-compensated writes into bfloat16 params (no float32 master copy).
 
     The last part of a chain (``sgd`` / ``adam`` / ``adamw(..., bf16_update="kahan")`` build
-    ``chain(optimizer, kahan_summation())``). Per bf16 / fp16 param ``p`` with incoming
+    ``chain(optimizer, kahan_summation())``). Per bf16 param ``p`` with incoming
     update ``u`` and compensation ``c``, in float32::
 
         t = p + (u + c)            # the value p would take with exact storage
@@ -88,16 +97,18 @@ def kahan_summation() -> GradientTransformation:
         c = round(t - w)           # what rounding lost, carried to the next update
 
     so updates far below the bf16 spacing of ``p`` accumulate in ``c`` until they move it.
-    Params of other dtypes keep an empty buffer and get ``u`` unchanged. State: one buffer
-    in the param's dtype per param (2 bytes per bf16 param).
+    float32 / float64 params keep an empty buffer and get ``u`` unchanged. State: one bf16
+    buffer per bf16 param (2 bytes per param). The roundings are integer ops, so a
+    compiled update rounds as the eager one.
 
     Returns:
         A :class:`GradientTransformation` with state :class:`KahanState`; its ``update``
         needs ``params``.
 
     Raises:
-        ValueError: (in ``init``) a leaf is not a floating tensor; (in ``update``) params
-            are missing or differ in structure or shape from the updates.
+        ValueError: (in ``init``) a float16 param (the compensation is for bfloat16;
+            float16 wants float32 masters: ``"fp16-mixed"``) or a non-floating leaf; (in
+            ``update``) params are missing or differ in structure or shape from the updates.
 
     Example:
         >>> opt = fmp.optim.chain(fmp.optim.sgd(1e-3), fmp.optim.kahan_summation())
@@ -113,6 +124,7 @@ def kahan_summation() -> GradientTransformation:
 
     def init(params: Any) -> KahanState:
         leaves, spec = _flatten_params(fn, params)
+        _no_float16(fn, "init", leaves, spec)
         comp = [torch.zeros_like(x) if x.dtype in _LOW
                 else torch.zeros(0, dtype=x.dtype, device=x.device) for x in leaves]
         return KahanState(optree.tree_unflatten(spec, comp))
@@ -123,6 +135,7 @@ def kahan_summation() -> GradientTransformation:
                             "KahanState made by kahan_summation().init(params)")
         u, p, spec = _leaves(fn, updates, params)
         c = _flatten_like(state.compensation, spec, "state.compensation", "updates")
+        _no_float16(fn, "update", p, spec)
         low = [i for i, x in enumerate(p) if x.dtype in _LOW]
         for i in low:
             if c[i].shape != p[i].shape or c[i].dtype != p[i].dtype:
@@ -137,11 +150,10 @@ def kahan_summation() -> GradientTransformation:
         pf = [p[i].to(f32) for i in low]
         y = torch._foreach_add([u[i].to(f32) for i in low], [c[i].to(f32) for i in low])
         t = torch._foreach_add(pf, y)
-        delta = torch._foreach_sub([x.to(p[i].dtype).to(f32) for x, i in zip(t, low,
-                                                                              strict=True)], pf)
+        # rounding with integer ops (round_bf16), never a cast pair inductor may elide
+        delta = torch._foreach_sub([round_bf16(x) for x in t], pf)
         # what apply_updates writes: p + delta in float32, rounded to the param's dtype
-        written = torch._foreach_add(pf, delta)
-        written = [w.to(p[i].dtype).to(f32) for w, i in zip(written, low, strict=True)]
+        written = [round_bf16(w) for w in torch._foreach_add(pf, delta)]
         lost = torch._foreach_sub(t, written)
         out, new_c = list(u), list(c)
         for k, i in enumerate(low):
@@ -180,7 +192,7 @@ def stochastic_rounding(seed: int = 0) -> GradientTransformation:
 
     Raises:
         ValueError: a bad seed; (in ``init``) a float16 param (stochastic rounding is for
-            bfloat16; use :func:`kahan_summation`) or a non-floating leaf; (in ``update``)
+            bfloat16) or a non-floating leaf; (in ``update``)
             params are missing or differ in structure or shape from the updates.
 
     Example:
@@ -195,11 +207,7 @@ def stochastic_rounding(seed: int = 0) -> GradientTransformation:
 
     def init(params: Any) -> StochasticRoundingState:
         leaves, spec = _flatten_params(fn, params)
-        for path, x in zip(spec.paths(), leaves, strict=True):
-            if x.dtype == torch.float16:
-                raise ValueError(f"{fn}.init: param {'.'.join(map(str, path))!r} is float16; "
-                                 "stochastic rounding supports bfloat16 params (float32 / "
-                                 "float64 pass through); for float16 use kahan_summation()")
+        _no_float16(fn, "init", leaves, spec)
         return StochasticRoundingState(torch.tensor(seed << 32, dtype=torch.int64,
                                                     device=_device(leaves)))
 
@@ -209,11 +217,9 @@ def stochastic_rounding(seed: int = 0) -> GradientTransformation:
             raise TypeError(f"{fn}.update: the state is a {type(state).__name__}, expected the "
                             "StochasticRoundingState made by stochastic_rounding().init(params)")
         u, p, spec = _leaves(fn, updates, params)
+        _no_float16(fn, "update", p, spec)
         out = list(u)
         for i, (a, x) in enumerate(zip(u, p, strict=True)):
-            if x.dtype == torch.float16:
-                raise ValueError(f"{fn}.update: param {'.'.join(map(str, spec.paths()[i]))!r} "
-                                 "is float16; stochastic rounding supports bfloat16 params")
             if x.dtype != torch.bfloat16:
                 continue
             pf = x.to(torch.float32)

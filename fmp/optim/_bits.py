@@ -52,3 +52,16 @@ def stochastic_round_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
     bits = x.view(torch.int32)
     out = ((bits + r16) & -65536).view(torch.float32)  # -65536: 0xFFFF0000
     return torch.where(torch.isnan(x), x, out).to(torch.bfloat16)
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to the nearest bfloat16 (ties to even), kept in float32.
+
+    Equal to ``x.to(torch.bfloat16).to(torch.float32)``, but written with integer ops:
+    inductor (``emulate_precision_casts=False``, its default) may drop that cast pair
+    inside a fused kernel, which would silently turn the Kahan compensation off.
+    """
+    bits = x.view(torch.int32)
+    bias = ((bits >> 16) & 1) + 0x7FFF
+    out = ((bits + bias) & -65536).view(torch.float32)
+    return torch.where(torch.isnan(x), x, out)
