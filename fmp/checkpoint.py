@@ -46,7 +46,7 @@ _NODE = "__fmp_node__"
 
 _RECORDS: dict[str, type] = {c.__name__: c for c in (
     _optim.SgdState, _optim.AdamState, _optim.TraceState, _optim.EmptyState,
-    _optim.ScaleByScheduleState)}
+    _optim.ScaleByScheduleState, _optim.KahanState, _optim.StochasticRoundingState)}
 _LOSS_SCALES: dict[str, type] = {c.__name__: c for c in get_args(_ls.LossScale)}
 _SCALARS = (bool, int, float, str)
 

@@ -65,8 +65,13 @@ def _policies(text: str) -> tuple[str, ...]:
             raise argparse.ArgumentTypeError(
                 f"{name!r}: key=dtype specs cannot be listed here (their commas separate "
                 f"policies); use a preset such as fp32, bf16-mixed, fp16-mixed, bf16-true")
+        base, plus, write = name.partition("+")
+        if plus and write not in fmp.optim.BF16_UPDATES:
+            raise argparse.ArgumentTypeError(
+                f"{name!r}: unknown bf16 update {write!r} after '+'; accepted: "
+                f"{', '.join(fmp.optim.BF16_UPDATES)} (e.g. bf16-true+kahan)")
         try:
-            fmp.get_policy(name)
+            fmp.get_policy(base)
         except ValueError:
             presets = ", ".join(k for k in fmp.PRESETS if not k.startswith("o"))
             raise argparse.ArgumentTypeError(
@@ -99,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "%(default)s)")
     p.add_argument("--policies", type=_policies, default=",".join(DEFAULT_POLICIES),
                    help="comma-separated policies: fmp presets (fp32, bf16-mixed, "
-                        "fp16-mixed, bf16-true, ...) or Apex opt levels O0-O5 run through "
-                        "adapters.apex (default: %(default)s)")
+                        "fp16-mixed, bf16-true, ...), bf16-true+kahan / bf16-true+stochastic "
+                        "(bf16 params, no float32 masters, bf16 moments) or Apex opt levels "
+                        "O0-O5 run through adapters.apex (default: %(default)s)")
     p.add_argument("--seed", type=_seed, default=d.seed,
                    help="seed of the split, the initial weights and the batch order "
                         "(default: %(default)s)")

@@ -159,7 +159,8 @@ def _run_functional(name: str, data: DigitsSplit, cfg: DemoConfig,
                     device: torch.device) -> RunResult:
     """Train with ``fmp.train_step`` under the fmp policy ``name``."""
     result = RunResult(policy=name, engine="fmp.train_step")
-    policy = fmp.get_policy(name)
+    base, _, bf16_update = name.partition("+")  # "bf16-true+kahan": no float32 masters
+    policy = fmp.get_policy(base)
     model = make_model(cfg.seed, device)
     apply_fn, params, _ = fmp.functional(model)
     params = policy.cast_to_param(params)
@@ -167,7 +168,9 @@ def _run_functional(name: str, data: DigitsSplit, cfg: DemoConfig,
     def loss_fn(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(apply_fn(p, x).float(), y)
 
-    opt = fmp.optim.adamw(cosine_lr(cfg.lr, cfg.steps), weight_decay=cfg.weight_decay)
+    opt = fmp.optim.adamw(cosine_lr(cfg.lr, cfg.steps), weight_decay=cfg.weight_decay,
+                          state_dtype="bf16" if bf16_update else "f32",
+                          bf16_update=bf16_update or None)
     needs_scaling = policy.compute_dtype == torch.float16
     scale = fmp.DynamicLossScale.create(device=device) if needs_scaling else None
     step = fmp.train_step(loss_fn, opt, policy)

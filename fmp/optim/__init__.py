@@ -36,24 +36,40 @@ device in one pass (:func:`fmp.train_step` with ``donate=True`` uses it), and
 :func:`in_place_supported` says beforehand whether it applies. Only this package knows the
 state layouts the kernels read. A :func:`chain` keeps the form only when it has a single
 part that has it; a ``GradientTransformation`` built from plain functions has none.
+
+bf16 without float32 masters. ``sgd`` / ``adam`` / ``adamw(..., bf16_update="kahan")``
+(or ``"stochastic"``) end the update with :func:`kahan_summation` (a bf16 compensation
+buffer per param) or :func:`stochastic_rounding` (a key in the state): the params stay in
+bfloat16 and tiny updates are not lost (:func:`state_bytes_per_param` counts the cost).
 """
 
 from fmp.optim._adam import adam, adamw, scale_by_adam
 from fmp.optim._base import GradientTransformation, apply_updates
+from fmp.optim._bf16 import (
+    BF16_UPDATES,
+    KahanState,
+    StochasticRoundingState,
+    kahan_summation,
+    stochastic_rounding,
+)
 from fmp.optim._chain import chain
 from fmp.optim._inplace import in_place_plan, in_place_supported, update_in_place
+from fmp.optim._memory import state_bytes_per_param
 from fmp.optim._schedules import Schedule, schedule_ok
 from fmp.optim._sgd import sgd
 from fmp.optim._states import AdamState, EmptyState, ScaleByScheduleState, SgdState, TraceState
 from fmp.optim._transforms import add_decayed_weights, scale, scale_by_learning_rate, trace
 
 __all__ = [
+    "BF16_UPDATES",
     "AdamState",
     "EmptyState",
     "GradientTransformation",
+    "KahanState",
     "ScaleByScheduleState",
     "Schedule",
     "SgdState",
+    "StochasticRoundingState",
     "TraceState",
     "adam",
     "adamw",
@@ -62,11 +78,14 @@ __all__ = [
     "chain",
     "in_place_plan",
     "in_place_supported",
+    "kahan_summation",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
     "schedule_ok",
     "sgd",
+    "state_bytes_per_param",
+    "stochastic_rounding",
     "trace",
     "update_in_place",
 ]

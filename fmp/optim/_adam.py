@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fmp.optim._base import GradientTransformation, _Update
+from fmp.optim._bf16 import with_bf16_update
 from fmp.optim._inplace import _AdamInPlace
 from fmp.optim._leafwise import _add_scaled_, _increment, _leafwise, _Leaves, _zeros_tree
 from fmp.optim._schedules import Schedule, _check_lr, _lr_at, _schedule_check
@@ -121,6 +122,7 @@ def adam(
     weight_decay: float = 0.0,
     amsgrad: bool = False,
     state_dtype: str | torch.dtype | None = torch.float32,
+    bf16_update: str | None = None,
 ) -> GradientTransformation:
     """Adam with the formulas of ``torch.optim.Adam`` (coupled L2 weight decay).
 
@@ -145,13 +147,16 @@ def adam(
         amsgrad: keep the running maximum of ``nu`` and divide by it (AMSGrad).
         state_dtype: dtype of the moments (default float32, also for bf16 / fp16 params;
             None keeps each param's dtype, like torch).
+        bf16_update: for params stored in bfloat16 with no float32 copy: ``"kahan"``
+            (:func:`kahan_summation`) or ``"stochastic"`` (:func:`stochastic_rounding`)
+            writes; the result is ``chain(optimizer, ...)`` (state: a pair). None: none.
 
     Returns:
         A :class:`GradientTransformation` with state :class:`AdamState`.
 
     Raises:
-        ValueError: a bad hyper-parameter (the message names the value and what is
-            accepted); (in ``init``) a leaf is not a floating tensor; (in ``update``)
+        ValueError: a bad hyper-parameter or ``bf16_update`` (the message names the value
+            and what is accepted); (in ``init``) a leaf is not a floating tensor; (in ``update``)
             a tree differs in structure, or params are missing with weight decay.
 
     Example:
@@ -161,7 +166,8 @@ def adam(
         >>> u
         {'w': tensor([-0.1000,  0.1000])}
     """
-    return _adam_like("adam", lr, betas, eps, weight_decay, amsgrad, state_dtype, False)
+    return with_bf16_update("adam", _adam_like("adam", lr, betas, eps, weight_decay, amsgrad,
+                                               state_dtype, False), bf16_update)
 
 
 def adamw(
@@ -171,6 +177,7 @@ def adamw(
     weight_decay: float = 1e-2,
     amsgrad: bool = False,
     state_dtype: str | torch.dtype | None = torch.float32,
+    bf16_update: str | None = None,
 ) -> GradientTransformation:
     """AdamW with the formulas of ``torch.optim.AdamW`` (decoupled weight decay).
 
@@ -188,13 +195,16 @@ def adamw(
         amsgrad: keep the running maximum of ``nu`` and divide by it (AMSGrad).
         state_dtype: dtype of the moments (default float32, also for bf16 / fp16 params;
             None keeps each param's dtype, like torch).
+        bf16_update: for params stored in bfloat16 with no float32 copy: ``"kahan"``
+            (:func:`kahan_summation`) or ``"stochastic"`` (:func:`stochastic_rounding`)
+            writes; the result is ``chain(optimizer, ...)`` (state: a pair). None: none.
 
     Returns:
         A :class:`GradientTransformation` with state :class:`AdamState`.
 
     Raises:
-        ValueError: a bad hyper-parameter (the message names the value and what is
-            accepted); (in ``init``) a leaf is not a floating tensor; (in ``update``)
+        ValueError: a bad hyper-parameter or ``bf16_update`` (the message names the value
+            and what is accepted); (in ``init``) a leaf is not a floating tensor; (in ``update``)
             a tree differs in structure, or params are missing with weight decay.
 
     Example:
@@ -203,7 +213,8 @@ def adamw(
         >>> opt.update({"w": torch.ones(1)}, opt.init(p), p)[0]
         {'w': tensor([-0.1500])}
     """
-    return _adam_like("adamw", lr, betas, eps, weight_decay, amsgrad, state_dtype, True)
+    return with_bf16_update("adamw", _adam_like("adamw", lr, betas, eps, weight_decay, amsgrad,
+                                                state_dtype, True), bf16_update)
 
 
 def scale_by_adam(

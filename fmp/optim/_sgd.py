@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from fmp.optim._base import GradientTransformation, _Update
+from fmp.optim._bf16 import with_bf16_update
 from fmp.optim._inplace import _SgdInPlace
 from fmp.optim._leafwise import _add_scaled_, _increment, _leafwise, _Leaves, _zeros_tree
 from fmp.optim._schedules import Schedule, _check_lr, _lr_at, _schedule_check
@@ -46,6 +47,7 @@ def sgd(
     nesterov: bool = False,
     weight_decay: float = 0.0,
     state_dtype: str | torch.dtype | None = torch.float32,
+    bf16_update: str | None = None,
 ) -> GradientTransformation:
     """Stochastic gradient descent with the formulas of ``torch.optim.SGD``.
 
@@ -67,6 +69,9 @@ def sgd(
         weight_decay: coupled L2 penalty, a float >= 0; ``update`` then needs params.
         state_dtype: dtype of the momentum buffers (default float32, also for bf16 /
             fp16 params; None keeps each param's dtype, like torch).
+        bf16_update: for params stored in bfloat16 with no float32 copy: ``"kahan"``
+            (:func:`kahan_summation`) or ``"stochastic"`` (:func:`stochastic_rounding`)
+            writes; the result is ``chain(optimizer, ...)`` (state: a pair). None: none.
 
     Returns:
         A :class:`GradientTransformation` with state :class:`SgdState`.
@@ -109,6 +114,6 @@ def sgd(
 
     update = _leafwise("sgd", body, state_type=SgdState, state_dtype=sd,
                        reads_params=wd != 0.0)
-    return GradientTransformation(init, _Update(
+    return with_bf16_update("sgd", GradientTransformation(init, _Update(
         update, schedule_check=_schedule_check(lr),
-        in_place=_SgdInPlace(lr, m, d, nesterov, wd)))
+        in_place=_SgdInPlace(lr, m, d, nesterov, wd))), bf16_update)
