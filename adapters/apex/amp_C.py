@@ -29,7 +29,6 @@ from collections.abc import Sequence
 import torch
 
 from adapters.apex._scale_check_overflow import scale_check_overflow
-from adapters.apex._unscale_l2norm import multi_tensor_unscale_l2norm
 
 __all__ = [
     "multi_tensor_adam",
@@ -134,6 +133,50 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: 
     total = per.square().sum().sqrt().reshape(1)
     _raise_flag(noop_flag, ~torch.isfinite(per).all() | ~torch.isfinite(total[0]))
     return total, (per if per_tensor else per.new_empty(0))
+
+
+def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Lists,
+                                inv_scale: torch.Tensor | float, per_tensor: bool | None = False
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`multi_tensor_l2norm` of ``t * inv_scale``; the tensors are not written (as Apex).
+
+    Each element is widened to float32 and multiplied by ``inv_scale`` before it is squared,
+    so scaled float16 grads whose squares would overflow still give the right norm.
+
+    Args:
+        chunk_size: unused.
+        noop_flag: one-element int tensor, set to 1 if a norm is inf or NaN.
+        tensor_lists: ``[tensors]``.
+        inv_scale: ``1 / loss_scale``: a one-element float32 tensor (as Apex takes it) or a
+            number.
+        per_tensor: also return each tensor's unscaled norm.
+
+    Returns:
+        ``(total, per)`` as :func:`multi_tensor_l2norm`.
+
+    Raises:
+        ValueError: ``tensor_lists`` is not one non-empty list, or ``inv_scale`` is a tensor
+            with other than one element.
+
+    Example:
+        >>> flag, g = torch.zeros(1, dtype=torch.int), [torch.tensor([6.0, 8.0])]
+        >>> total, per = multi_tensor_unscale_l2norm(0, flag, [g], torch.tensor([0.5]), True)
+        >>> total.tolist(), per.tolist(), g[0].tolist()
+        ([5.0], [5.0], [6.0, 8.0])
+    """
+    _check_lists("multi_tensor_unscale_l2norm", tensor_lists, 1)
+    ts = list(tensor_lists[0])
+    if not ts:
+        raise ValueError("amp_C.multi_tensor_unscale_l2norm: tensor_lists[0] is empty")
+    if isinstance(inv_scale, torch.Tensor):
+        if inv_scale.numel() != 1:
+            raise ValueError(f"amp_C.multi_tensor_unscale_l2norm: inv_scale must hold one "
+                             f"element, got shape {tuple(inv_scale.shape)}")
+        inv = inv_scale.reshape(()).to(device=ts[0].device, dtype=torch.float32)
+    else:
+        inv = torch.tensor(float(inv_scale), dtype=torch.float32, device=ts[0].device)
+    unscaled = torch._foreach_mul([t.float() for t in ts], inv)
+    return multi_tensor_l2norm(chunk_size, noop_flag, [unscaled], per_tensor)
 
 
 def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Lists,
