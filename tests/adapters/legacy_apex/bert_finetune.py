@@ -47,14 +47,19 @@ def warmup_linear(x, warmup=0.002):
     return max((x - 1.0) / (warmup - 1.0), 0.0)
 
 
-def main():
-    args = parse()
+def make_model(device):
+    """The tiny randomly initialised BERT (seed 42) standing in for the checkpoint."""
     torch.manual_seed(42)
     config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=64,
                         max_position_embeddings=32, num_labels=2,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = BertForSequenceClassification(config).to(args.device)
+    return BertForSequenceClassification(config).to(device)
+
+
+def main():
+    args = parse()
+    model = make_model(args.device)
     param_optimizer = list(model.named_parameters())
     no_decay = ["bias", "gamma", "beta", "LayerNorm"]
     optimizer_grouped_parameters = [

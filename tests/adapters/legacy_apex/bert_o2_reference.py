@@ -6,14 +6,14 @@ master weights, the loss multiplied by a dynamic scale (2**16, halved on overflo
 after 2000 clean steps), each micro-batch's float16 grads unscaled into float32 master grads
 that accumulate, the whole update skipped when any was non-finite. FusedAdam in AdamW mode
 without bias correction: m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2,
-p -= lr (m / (sqrt(v) + eps) + wd p). Same model, data, groups and schedule as the script.
+p -= lr (m / (sqrt(v) + eps) + wd p). Same model (the script's make_model), data, groups and
+schedule as the script.
 """
 
 import argparse
 
 import torch
-from bert_finetune import synthetic, warmup_linear
-from transformers import BertConfig, BertForSequenceClassification
+from bert_finetune import make_model, synthetic, warmup_linear
 
 
 def main():
@@ -26,12 +26,7 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    torch.manual_seed(42)
-    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=64,
-                        max_position_embeddings=32, num_labels=2,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = BertForSequenceClassification(config).to(args.device)
+    model = make_model(args.device)
     no_decay = ["bias", "gamma", "beta", "LayerNorm"]
     named = list(model.named_parameters())
     decay = {n: 0.0 if any(nd in n for nd in no_decay) else 0.01 for n, _ in named}
