@@ -71,7 +71,8 @@ def main() -> None:
             except Exception as e:  # a variant that cannot run is reported, not fatal
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             finally:
-                ts._drop_apex_casts() if hasattr(ts, "_drop_apex_casts") else None
+                if hasattr(ts, "_drop_apex_casts"):  # O1's casts act process-wide
+                    ts._drop_apex_casts()
             res.setdefault(model_name, {})[v] = r
             print(model_name, v, json.dumps(r), flush=True)
     if args.out:

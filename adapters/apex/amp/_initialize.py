@@ -66,9 +66,10 @@ class InitializeMixin:
         """Set up models and optimizers for mixed precision (Apex's signature and defaults).
 
         The preset of ``opt_level`` is applied, then every keyword that is not None.
-        O0: float32. O1: the forward runs under ``torch.autocast(float16)``, dynamic loss
-        scale. O2: model cast to float16 (batch-norm kept float32), float32 master
-        weights in the optimizer, dynamic scale. O3: pure float16, scale 1. O4/O5: the
+        O0: float32. O1: torch functions cast by Apex's lists, wherever they are called
+        (a torch function mode, ``_o1_mode``), dynamic loss scale. O2: model cast to
+        float16 (batch-norm kept float32), float32 master weights in the optimizer,
+        dynamic scale. O3: pure float16, scale 1. O4/O5: the
         bfloat16 counterparts of O1/O2 (static scale 1 by default: bfloat16 has
         float32's range).
 
