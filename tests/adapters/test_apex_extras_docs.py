@@ -11,6 +11,7 @@ import torch
 
 MODULES = ["adapters.apex.amp_C", "adapters.apex.multi_tensor_apply", "adapters.apex._warn",
            "adapters.apex.optimizers", "adapters.apex.optimizers._common",
+           "adapters.apex.optimizers._subset",
            "adapters.apex.optimizers._fused_adam", "adapters.apex.optimizers._fused_sgd",
            "adapters.apex.optimizers._fused_lamb", "adapters.apex.optimizers._fused_novograd",
            "adapters.apex.fp16_utils", "adapters.apex.fp16_utils._fp16util",
