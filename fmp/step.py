@@ -170,13 +170,16 @@ def build_train_step(
         lr_ok = schedule_ok(optimizer, state.opt_state)  # a scheduled lr of inf/NaN/< 0 skips
         plan = (in_place_plan(optimizer, state.params, grad_sum, state.opt_state)
                 if donate else None)
+        # what a grad could share storage with: what loss_fn sees (params or their copy,
+        # model state, batch); the optimizer state never reaches it, so it is not scanned
+        seen = (state.params, state.compute_params, state.model_state, batch)
         if plan is not None:
             # One in-place pass unscales and checks the step's own grads (where the amp kernel
             # cannot, a read-only check and the fused kernel divides by the scale); torch's
             # fused kernel then updates params and moments in place, or skips on device.
             grads = grad_sum if reduce_grads is None else reduce_grads(grad_sum)
             grads, divisor, finite = state.loss_scale.unscale_for_fused(
-                grads, micro_batches=accumulate, protect=(state, batch), check=grads_finite)
+                grads, micro_batches=accumulate, protect=seen, check=grads_finite)
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             opt_state = update_in_place(optimizer, state.params, grads, state.opt_state,
                                         divisor, (~finite).to(torch.float32), plan=plan)
@@ -186,7 +189,7 @@ def build_train_step(
             if reduce_grads is None:  # eager: the same one-pass unscale where it applies
                 grads, finite = state.loss_scale.unscale_and_check(
                     grad_sum, in_place=eager_kernels_ok(), micro_batches=accumulate,
-                    protect=(state, batch))
+                    protect=seen)
             else:
                 grads = reduce_grads(state.loss_scale.unscale(grad_sum, micro_batches=accumulate))
                 finite = grads_finite(grads)
