@@ -226,12 +226,25 @@ def main(argv: list[str] | None = None) -> int:
     same = len(set(digests)) == 1
     say(f"rank {rank} done: steps {args.steps} skips {int(state.skipped_total)} "
         f"params {digest} identical across ranks {same}{rate}")
-    # every rank past its last collective before the group goes (torch 2.11's gloo once
-    # aborted at exit, "terminate called without an active exception", under load)
+    # every rank past its last collective before the group goes
     dist.barrier()
     dist.destroy_process_group()
     return 0 if same else 1
 
 
+def exit_now(code: int) -> None:
+    """Flush and leave without interpreter finalisation.
+
+    Gloo's worker threads can still hold work objects whose tensors own Python references
+    after ``destroy_process_group``; freeing them while the interpreter is being torn down
+    aborts the process ("terminate called without an active exception", SIGABRT), as CI
+    saw once on 2 loaded cores after every rank had printed its result (pytorch/pytorch
+    PR 179291 describes the race). All work is done and flushed by then, so skip it.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())
