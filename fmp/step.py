@@ -33,6 +33,7 @@ from fmp._step_trees import (
 from fmp._step_type import GradReducer, TrainStep
 from fmp._train_state import TrainState
 from fmp._value_and_grad import Caster, scaled_loss_fn, value_and_grad
+from fmp.float8 import _step as _float8
 from fmp.optim import (
     GradientTransformation,
     apply_updates,
@@ -131,8 +132,9 @@ def build_train_step(
     keep_copy = compute_copy and any(q.compute_dtype != q.param_dtype for q in pols)
 
     def grad_phase(state: TrainState, batch: tuple[Any, ...], loss_impl: Callable[..., Any]
-                   ) -> tuple[Any, Any, Any, Any]:
-        """-> (summed scaled grads, mean loss, aux, new model state), nothing applied yet."""
+                   ) -> tuple[Any, Any, Any, Any, Any]:
+        """-> (summed scaled grads, mean loss, aux, new model state, float8 amaxes), nothing
+        applied yet (the amaxes: None without float8 records)."""
         micro = split_batch(batch, accumulate)
         model_state = state.model_state
         copy = state.compute_params
@@ -140,12 +142,22 @@ def build_train_step(
         loss_sum: Any = None
         aux = None
         auxes = []
+        f8 = state.float8
+        amaxes = None
         for mb in micro:
             lead = (model_state,) if has_state else ()
-            grads, (loss, (new_ms, aux)) = grad_with_aux(
-                lambda p, _l=lead, _b=mb: loss_impl(p, state.loss_scale, _l, _b, {},
-                                                    copy is None),
-                state.params if copy is None else copy)
+            if f8 is None:
+                grads, (loss, (new_ms, aux)) = grad_with_aux(
+                    lambda p, _l=lead, _b=mb: loss_impl(p, state.loss_scale, _l, _b, {},
+                                                        copy is None),
+                    state.params if copy is None else copy)
+            else:  # the probes' grads are the float8 layers' amaxes (fmp/float8/_step.py)
+                probes = _float8.probes(f8) or {}
+                (grads, got), (loss, (new_ms, aux)) = grad_with_aux(
+                    lambda pp, _l=lead, _b=mb: loss_impl(pp[0], state.loss_scale, _l, _b, {},
+                                                         copy is None, (f8, pp[1])),
+                    (state.params if copy is None else copy, probes))
+                amaxes = _float8.combine(amaxes, got)  # micro-batches: the max
             if has_state:
                 model_state = new_ms
             auxes.append(aux)
@@ -160,11 +172,13 @@ def build_train_step(
         loss = loss_sum if accumulate == 1 else loss_sum * (1.0 / accumulate)
         if has_aux and accumulate > 1:
             aux = stack_aux(auxes)
-        return grad_sum, loss, aux, model_state
+        return grad_sum, loss, aux, model_state, amaxes
 
     def update_phase(state: TrainState, batch: tuple[Any, ...], grad_sum: Any, loss: Any,
-                     aux: Any, model_state: Any) -> tuple[TrainState, dict[str, Any]]:
-        """Unscale, check, update (or skip), adjust the scale: the rest of the step."""
+                     aux: Any, model_state: Any, amaxes: Any = None
+                     ) -> tuple[TrainState, dict[str, Any]]:
+        """Unscale, check, update (or skip), adjust the scale: the rest of the step
+        (``amaxes``: the float8 layers', which update ``state.float8`` where finite)."""
         if state.compute_params is not None and accumulate == 1:
             grad_sum = to_param_dtypes(grad_sum, state.params)
         lr_ok = schedule_ok(optimizer, state.opt_state)  # a scheduled lr of inf/NaN/< 0 skips
@@ -214,9 +228,11 @@ def build_train_step(
         if prev_skipped is None:
             prev_skipped = torch.zeros((), dtype=torch.int32, device=finite.device)
         skipped_total = prev_skipped + skipped.to(torch.int32)
+        float8 = _float8.updated(state.float8, amaxes, finite)  # skipped: as they were
         new_state = TrainState(params=params, opt_state=opt_state, loss_scale=loss_scale,
                                step=state.step + 1, model_state=model_state,
-                               skipped_total=skipped_total, compute_params=copy)
+                               skipped_total=skipped_total, compute_params=copy,
+                               float8=float8)
         metrics = {"loss": loss, "grads_finite": grads_ok, "skipped": skipped,
                    "loss_scale": loss_scale.loss_scale, "skipped_total": skipped_total}
         if lr_ok is not None:
