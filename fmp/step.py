@@ -152,7 +152,7 @@ def build_train_step(
                                                         copy is None),
                     state.params if copy is None else copy)
             else:  # the probes' grads are the float8 layers' amaxes (fmp/float8/_step.py)
-                probes = _float8.probes(f8) or {}
+                probes = _float8.probes(f8)
                 (grads, got), (loss, (new_ms, aux)) = grad_with_aux(
                     lambda pp, _l=lead, _b=mb: loss_impl(pp[0], state.loss_scale, _l, _b, {},
                                                          copy is None, (f8, pp[1])),
@@ -182,6 +182,7 @@ def build_train_step(
         if state.compute_params is not None and accumulate == 1:
             grad_sum = to_param_dtypes(grad_sum, state.params)
         lr_ok = schedule_ok(optimizer, state.opt_state)  # a scheduled lr of inf/NaN/< 0 skips
+        f8_ok = _float8.amaxes_finite(amaxes)  # float8 amaxes: None without records
         plan = (in_place_plan(optimizer, state.params, grad_sum, state.opt_state)
                 if donate else None)
         # what a grad could share storage with: what loss_fn sees (params or their copy,
@@ -194,6 +195,7 @@ def build_train_step(
             grads = grad_sum if reduce_grads is None else reduce_grads(grad_sum)
             grads, divisor, finite = state.loss_scale.unscale_for_fused(
                 grads, micro_batches=accumulate, protect=seen, check=grads_finite)
+            finite = finite if f8_ok is None else finite & f8_ok  # a saturated inf
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             opt_state = update_in_place(optimizer, state.params, grads, state.opt_state,
                                         divisor, (~finite).to(torch.float32), plan=plan)
@@ -207,6 +209,7 @@ def build_train_step(
             else:
                 grads = reduce_grads(state.loss_scale.unscale(grad_sum, micro_batches=accumulate))
                 finite = grads_finite(grads)
+            finite = finite if f8_ok is None else finite & f8_ok  # a saturated inf
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
             new_params = apply_updates(state.params, updates)

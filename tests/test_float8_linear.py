@@ -101,7 +101,7 @@ def test_float8_linear_needs_multiples_of_16_and_float_inputs():
     with pytest.raises(ValueError, match="in_features=17 and out_features=16 must both be "
                                          "multiples of 16"):
         Float8Linear(17, 16)
-    with pytest.raises(ValueError, match="the input is torch.float64"):
+    with pytest.raises(ValueError, match=r"the input is torch.float64"):
         Float8Linear(16, 16)(torch.ones(2, 16, dtype=torch.float64))
 
 
@@ -127,7 +127,7 @@ def test_unsupported_gpu_is_a_clear_error(monkeypatch):
 def test_cuda_convert_checks_the_capability():
     net = torch.nn.Sequential(torch.nn.Linear(16, 16)).cuda()
     if torch.cuda.get_device_capability() < (8, 9):
-        with pytest.raises(RuntimeError, match="capability 8.9"):
+        with pytest.raises(RuntimeError, match=r"capability 8.9"):
             fmp.float8.convert(net)
     else:
         assert type(fmp.float8.convert(net)[0]).__name__ == "Float8Linear"

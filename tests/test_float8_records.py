@@ -36,11 +36,11 @@ def test_bad_recipes_name_the_field(kwargs, message):
 
 
 def test_convert_rejects_a_bad_recipe_and_a_bad_model():
-    with pytest.raises(ValueError, match="Recipe.scaling must be one of"):
+    with pytest.raises(ValueError, match=r"Recipe.scaling must be one of"):
         fmp.float8.convert(torch.nn.Linear(16, 16), "sometimes")
-    with pytest.raises(TypeError, match="fmp.float8.Recipe or one of"):
+    with pytest.raises(TypeError, match=r"fmp.float8.Recipe or one of"):
         fmp.float8.convert(torch.nn.Linear(16, 16), 3)
-    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"needs a torch.nn.Module"):
         fmp.float8.convert("model")
     with pytest.raises(ValueError, match="no Float8Linear layer"):
         fmp.float8.init(torch.nn.Linear(16, 16))
@@ -57,7 +57,7 @@ def test_create_is_zero_history_unit_scales():
 def _hand_update(hist, scale, amaxes, margin, maxes=(E4M3, E4M3, E5M2)):
     """TE's recipe in Python floats: newest amax first, the oldest dropped; a row keeps its
     scale where the window's max is 0 or not finite."""
-    hist = [[a] + row[:-1] for a, row in zip(amaxes, hist, strict=True)]
+    hist = [[a, *row[:-1]] for a, row in zip(amaxes, hist, strict=True)]
     out = []
     for row, s, top in zip(hist, scale, maxes, strict=True):
         m = max(row) if not any(math.isnan(v) for v in row) else math.nan
@@ -109,7 +109,8 @@ def test_update_is_a_pure_function_of_the_record():
 
 
 def test_scale_from_and_amax():
-    assert amax(torch.tensor([[1.0, -5.0], [2.0, 0.0]], dtype=torch.bfloat16)).dtype == torch.float32
+    bf = torch.tensor([[1.0, -5.0], [2.0, 0.0]], dtype=torch.bfloat16)
+    assert amax(bf).dtype == torch.float32
     assert float(amax(torch.tensor([1.0, -5.0]))) == 5.0
     got = scale_from(torch.tensor([1.0, 0.0, -1.0]), 448.0, 0, torch.tensor([7.0, 7.0, 7.0]))
     assert got.tolist() == [448.0, 7.0, 7.0]

@@ -3,7 +3,7 @@
 A layer inside ``loss_fn`` sees only its params (through ``torch.func.functional_call``),
 not the :class:`fmp.TrainState`. While the step calls ``loss_fn`` (one micro-batch) it
 publishes ``state.float8`` here, with the probe tensor it differentiates for each
-delayed-scaling layer (the probe's gradient is the layer's amaxes: see
+layer (the probe's gradient is the layer's amaxes: see
 ``fmp/float8/_linear.py``). Outside a step nothing is published and the layers scale
 dynamically. A single slot, as :data:`fmp._model.ACTIVE`: steps do not nest their loss calls.
 """
@@ -21,7 +21,7 @@ class Published:
 
     Attributes:
         records: ``{qualified name: Float8LinearScales}`` or None.
-        probes: ``{qualified name: float32 [3] probe}`` for the delayed records, or None.
+        probes: ``{qualified name: float32 [3] probe}``, one per record, or None.
         used: the delayed layers called so far in this loss call.
     """
 
@@ -49,8 +49,8 @@ def restore(prev: tuple[Any, Any, Any]) -> None:
 
 
 def lookup(name: str | None) -> tuple[Any, torch.Tensor | None]:
-    """``(record, probe)`` for the layer ``name``: ``(None, None)`` outside a step, the
-    record and None for dynamic scaling, the record and its probe for delayed scaling.
+    """``(record, probe)`` for the layer ``name``: ``(None, None)`` outside a step, else its
+    record and the probe the step differentiates for it (None where it made none).
 
     Raises:
         ValueError: a step with float8 records runs a layer that has none (the message names
@@ -66,8 +66,9 @@ def lookup(name: str | None) -> tuple[Any, torch.Tensor | None]:
             f"{known or 'none'}); build the records from the model that runs, "
             "state = TrainState.create(..., float8=fmp.float8.init(model))")
     record = records[name]
+    probe = None if CURRENT.probes is None else CURRENT.probes.get(name)
     if not record.delayed:
-        return record, None
+        return record, probe
     if name in CURRENT.used:
         raise ValueError(
             f"fmp.float8: the delayed-scaling Float8Linear {name!r} ran twice in one loss "
@@ -75,5 +76,4 @@ def lookup(name: str | None) -> tuple[Any, torch.Tensor | None]:
             "Recipe('dynamic') for layers called more than once (shared weights, "
             "activation checkpointing)")
     CURRENT.used.append(name)
-    assert CURRENT.probes is not None
-    return record, CURRENT.probes[name]
+    return record, probe

@@ -142,7 +142,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     bwd = recipe.bwd_format if record is None else record.bwd_format
     x2 = x.reshape(-1, x.shape[-1])
     a_x, a_w = amax(x2), amax(weight)
-    if probe is not None:  # delayed: the scales the history gave
+    if record is not None and record.delayed:  # the scales the history gave
         s_x, s_w, s_g = record.scale[0], record.scale[1], record.scale[2]
     else:
         top = fp8_max("e4m3")

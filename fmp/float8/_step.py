@@ -1,11 +1,14 @@
 """The float8 part of a train step: probes to differentiate, amaxes to combine, records to
 update (``fmp/step.py`` calls these; a step without float8 records calls none of them).
 
-Per loss call (micro-batch) the step makes one zero float32 ``[3]`` probe per
-delayed-scaling record and differentiates it with the params; the probes' grads are the
-layers' amaxes (``fmp/float8/_linear.py``). They never reach the optimizer or the finite
-check: a non-finite amax cannot change a scale (``Float8LinearScales.update`` keeps it),
-and the records are kept only where the step is (``select_tree`` on ``finite``).
+Per loss call (micro-batch) the step makes one zero float32 ``[3]`` probe per record and
+differentiates it with the params; the probes' grads are the layers' amaxes
+(``fmp/float8/_linear.py``). They never reach the optimizer. They do join the finite
+check (:func:`amaxes_finite`): a saturating float8 cast turns an inf in an input, weight
+or scaled grad output into the format's max, so the grads could stay finite where the
+same step without float8 would overflow; an inf or NaN amax makes the step skip and the
+loss scale back off, as that overflow would. The records are kept only where the step
+applies its update (``select_tree`` on ``finite``).
 """
 
 from __future__ import annotations
@@ -16,16 +19,22 @@ from typing import Any
 import torch
 
 from fmp.float8._scales import Float8LinearScales
-from fmp.tree import select_tree
+from fmp.tree import all_finite, select_tree
 
 
 def probes(records: Mapping[str, Float8LinearScales] | None) -> dict[str, torch.Tensor] | None:
-    """One zero float32 ``[3]`` probe per delayed record (None: there are none)."""
+    """One zero float32 ``[3]`` probe per record (None: there are none)."""
     if not records:
         return None
-    out = {n: torch.zeros(3, dtype=torch.float32, device=r.scale.device)
-           for n, r in records.items() if r.delayed}
-    return out or None
+    return {n: torch.zeros(3, dtype=torch.float32, device=r.scale.device)
+            for n, r in records.items()}
+
+
+def amaxes_finite(amaxes: Mapping[str, torch.Tensor] | None) -> torch.Tensor | None:
+    """A 0-d bool tensor: every amax the float8 layers saw is finite (None: no amaxes)."""
+    if not amaxes:
+        return None
+    return all_finite(amaxes)
 
 
 def combine(total: dict[str, torch.Tensor] | None, amaxes: dict[str, torch.Tensor] | None
@@ -44,5 +53,6 @@ def updated(records: Mapping[str, Float8LinearScales] | None,
         return records
     out = dict(records)
     for n, a in amaxes.items():
-        out[n] = select_tree(finite, records[n].update(a), records[n])
+        if records[n].delayed:
+            out[n] = select_tree(finite, records[n].update(a), records[n])
     return out
