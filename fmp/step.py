@@ -182,7 +182,14 @@ def build_train_step(
         if state.compute_params is not None and accumulate == 1:
             grad_sum = to_param_dtypes(grad_sum, state.params)
         lr_ok = schedule_ok(optimizer, state.opt_state)  # a scheduled lr of inf/NaN/< 0 skips
-        f8_ok = _float8.amaxes_finite(amaxes)  # float8 amaxes: None without records
+        # float8 amaxes (None without records) join the finite verdict: with a reducer in
+        # its all_finite, so every replica agrees
+        check = grads_finite
+        f8_ok = None
+        if amaxes is not None and grads_finite is not None:
+            check = lambda g: grads_finite((g, amaxes))  # noqa: E731
+        elif amaxes is not None:
+            f8_ok = _float8.amaxes_finite(amaxes)
         plan = (in_place_plan(optimizer, state.params, grad_sum, state.opt_state)
                 if donate else None)
         # what a grad could share storage with: what loss_fn sees (params or their copy,
@@ -194,7 +201,7 @@ def build_train_step(
             # fused kernel then updates params and moments in place, or skips on device.
             grads = grad_sum if reduce_grads is None else reduce_grads(grad_sum)
             grads, divisor, finite = state.loss_scale.unscale_for_fused(
-                grads, micro_batches=accumulate, protect=seen, check=grads_finite)
+                grads, micro_batches=accumulate, protect=seen, check=check)
             finite = finite if f8_ok is None else finite & f8_ok  # a saturated inf
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             opt_state = update_in_place(optimizer, state.params, grads, state.opt_state,
@@ -208,7 +215,7 @@ def build_train_step(
                     protect=seen)
             else:
                 grads = reduce_grads(state.loss_scale.unscale(grad_sum, micro_batches=accumulate))
-                finite = grads_finite(grads)
+                finite = check(grads)
             finite = finite if f8_ok is None else finite & f8_ok  # a saturated inf
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -249,6 +256,8 @@ def build_train_step(
         """The step, with the scaled loss and the update phase given (fmp.compile passes
         compiled ones)."""
         check_param_dtypes(state.params, pol, param_policies)
+        if reducer is not None:
+            _float8.check_no_delayed(state.float8)
         cast_p.resolve(state.params)
         if donate and not torch.compiler.is_compiling():
             state = private_state(state)

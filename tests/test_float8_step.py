@@ -165,6 +165,37 @@ def test_a_layer_without_a_record_is_named():
         step(state, torch.randn(4, 32))
 
 
+class _Single:  # a one-process GradReducer: what a data-parallel step is built with
+    def reduce(self, grads):
+        return grads
+
+    def all_finite(self, tree):
+        return fmp.all_finite(tree)
+
+
+def test_data_parallel_refuses_delayed_and_agrees_on_saturated_infs():
+    from fmp.step import build_train_step
+
+    for recipe, donate in (("delayed", False), ("dynamic", False), ("dynamic", True)):
+        net = _net(recipe)
+        apply_fn, params, _ = fmp.functional(net)
+        opt = fmp.optim.sgd(0.1)
+        state = fmp.TrainState.create(params, opt, float8=fmp.float8.init(net))
+        step = build_train_step(lambda p, x, _f=apply_fn: _f(p, x).float().sum(), opt,
+                                "bf16-mixed",
+                                donate=donate, reducer=_Single())
+        x = torch.randn(4, 32)
+        x[0, 0] = float("inf")  # saturated by the cast: only the amax shows it
+        if recipe == "delayed":
+            with pytest.raises(ValueError, match="'0' uses delayed scaling, which a "
+                                                 "data-parallel step does not support"):
+                step(state, x)
+            continue
+        w = state.params["0.weight"].clone()
+        new, m = step(state, x)
+        assert bool(m["skipped"]) and torch.equal(new.params["0.weight"], w)
+
+
 def _tiny_llama(seed=0):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)

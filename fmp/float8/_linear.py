@@ -68,8 +68,8 @@ class _Float8Matmul(torch.autograd.Function):
                 s_x: torch.Tensor, s_w: torch.Tensor, s_g: torch.Tensor | None,
                 a_x: torch.Tensor, a_w: torch.Tensor, margin: float, bwd_format: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        xq = to_float8(x, s_x, "e4m3")
-        wq = to_float8(w, s_w, "e4m3")
+        xq = to_float8(x, s_x, "e4m3").contiguous()  # row-major, whatever x's strides
+        wq = to_float8(w, s_w, "e4m3").contiguous()
         out = torch._scaled_mm(xq, wq.t(), scale_a=s_x.reciprocal(), scale_b=s_w.reciprocal(),
                                out_dtype=x.dtype)
         return out, xq, wq
@@ -89,7 +89,7 @@ class _Float8Matmul(torch.autograd.Function):
         a_g = amax(g)
         if s_g is None:  # dynamic: the grad's own amax now
             s_g = scale_from(a_g, fp8_max(ctx.bwd_format), ctx.margin, torch.ones_like(a_g))
-        gq = to_float8(g, s_g, ctx.bwd_format)
+        gq = to_float8(g, s_g, ctx.bwd_format).contiguous()
         inv_g = s_g.reciprocal()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:

@@ -56,3 +56,21 @@ def updated(records: Mapping[str, Float8LinearScales] | None,
         if records[n].delayed:
             out[n] = select_tree(finite, records[n].update(a), records[n])
     return out
+
+
+def check_no_delayed(records: Mapping[str, Float8LinearScales] | None) -> None:
+    """Raise where a data-parallel step meets delayed-scaling records.
+
+    Each replica sees its own amaxes; Transformer Engine all-reduces them (max) so that the
+    replicas keep one history. A :class:`fmp.GradReducer` offers a mean, not a max, so the
+    records would drift apart: refused rather than wrong.
+
+    Raises:
+        ValueError: a delayed record (the message names it).
+    """
+    for n, r in (records or {}).items():
+        if r.delayed:
+            raise ValueError(
+                f"fmp.float8: the record {n!r} uses delayed scaling, which a data-parallel "
+                "step does not support yet (the replicas' amaxes would need an all-reduce "
+                "max); use fmp.float8.Recipe('dynamic') with process_group/reducer")
