@@ -277,3 +277,26 @@ def test_cuda_eager_delayed_step_trains_in_bf16():
     state, m = step(state, x, t)
     state, m = step(state, x, t)
     assert bool(m["grads_finite"]) and (state.float8["0"].scale != 1).all()
+
+
+@pytest.mark.parametrize("policy, loss_scale", [("fp32", None),
+                                                ("fp16-mixed", fmp.DynamicLossScale(2.0 ** 10)),
+                                                ("bf16-mixed", None)])
+def test_policies_train_with_delayed_records(policy, loss_scale):
+    torch.manual_seed(0)
+    net = fmp.float8.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                                 torch.nn.Linear(32, 16)), "delayed")
+    apply_fn, params, _ = fmp.functional(net)
+    opt = fmp.optim.adam(1e-2)
+    state = fmp.TrainState.create(params, opt, loss_scale, float8=fmp.float8.init(net))
+    step = fmp.train_step(
+        lambda p, x, y: torch.nn.functional.mse_loss(apply_fn(p, x).float(), y), opt, policy)
+    x, y = torch.randn(32, 32), torch.randn(32, 16) * 0.5
+    losses = []
+    for _ in range(10):
+        state, m = step(state, x, y)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert int(state.skipped_total) == 0
+    r = state.float8["2"]
+    assert (r.amax_history[:, 0] > 0).all() and (r.scale != 1.0).all()
