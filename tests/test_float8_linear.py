@@ -109,9 +109,10 @@ def test_outside_a_step_a_delayed_layer_scales_dynamically():
     torch.manual_seed(2)
     x = torch.randn(8, 16) * 1000  # scale 1 (a fresh record) would saturate at 448
     layer = Float8Linear(16, 16, recipe="delayed")
-    ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    rel = float((layer(x) - ref).norm() / ref.norm())
-    assert rel < 0.1
+    with torch.no_grad():
+        ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        rel = float((layer(x) - ref).norm() / ref.norm())
+    assert rel < 0.1  # saturating at 448 with the fresh record's scale 1 would give ~0.5
 
 
 def test_unsupported_gpu_is_a_clear_error(monkeypatch):
