@@ -4,7 +4,7 @@ Pure functions over parameter pytrees (optree) on torch.func: dtype policies, lo
 records, functional optimizers (``fmp.optim``) and a skip-safe train step with no host sync.
 """
 
-from fmp import checkpoint, distributed, optim
+from fmp import checkpoint, distributed, float8, optim
 from fmp._compile import CompiledStep, compile, inductor_workarounds
 from fmp._step_type import GradReducer, TrainStep
 from fmp.cuda_graph import GraphedStep, cuda_graph
@@ -49,6 +49,7 @@ __all__ = [
     "distributed",
     "dtype",
     "dtype_name",
+    "float8",
     "floating_leaves",
     "functional",
     "get_policy",

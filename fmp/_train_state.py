@@ -9,6 +9,7 @@ import optree
 import torch
 
 from fmp._donation import claim
+from fmp.float8._convert import check_records
 from fmp.loss_scale import NoOpLossScale
 from fmp.optim import GradientTransformation
 from fmp.tree import floating_leaves
@@ -29,6 +30,10 @@ class TrainState(NamedTuple):
             update (``train_step(..., compute_copy=True)``, mixed policies), or None. A
             cache: the next step reads it instead of casting the params, and rebuilds it
             whenever it cannot tell that it is current (see :func:`train_step`).
+        float8: ``{qualified name: fmp.float8.Float8LinearScales}`` of a model converted
+            with :func:`fmp.float8.convert` (:func:`fmp.float8.init`), or None. The step
+            updates the delayed-scaling records from the amaxes its float8 layers saw, and
+            keeps them only where it applies the update.
 
     Example:
         >>> state = fmp.TrainState.create({"w": torch.zeros(3)}, fmp.optim.sgd(0.1))
@@ -43,10 +48,11 @@ class TrainState(NamedTuple):
     model_state: Any = None
     skipped_total: torch.Tensor | None = None
     compute_params: Any = None
+    float8: Any = None
 
     @classmethod
     def create(cls, params: Any, optimizer: GradientTransformation, loss_scale: Any = None,
-               model_state: Any = None) -> TrainState:
+               model_state: Any = None, float8: Any = None) -> TrainState:
         """Initialise a state: optimizer state, counters, and the loss scale on the params' device.
 
         Args:
@@ -54,13 +60,14 @@ class TrainState(NamedTuple):
             optimizer: a :class:`fmp.optim.GradientTransformation`.
             loss_scale: a loss-scale record; None means :class:`fmp.NoOpLossScale`.
             model_state: buffers to carry (for ``train_step(..., has_state=True)``).
+            float8: the float8 records, ``fmp.float8.init(model)``, or None.
 
         Returns:
             A :class:`TrainState` with ``step`` 0 (int64) and ``skipped_total`` 0 (int32).
 
         Raises:
-            TypeError: ``optimizer`` is not a GradientTransformation, or ``loss_scale`` is
-                not a loss-scale record.
+            TypeError: ``optimizer`` is not a GradientTransformation, ``loss_scale`` is
+                not a loss-scale record, or ``float8`` is not a dict of float8 records.
         """
         if not isinstance(optimizer, GradientTransformation):
             raise TypeError(f"optimizer must be an fmp.optim.GradientTransformation, got "
@@ -71,6 +78,8 @@ class TrainState(NamedTuple):
             raise TypeError(f"loss_scale must be an fmp loss-scale record (NoOpLossScale, "
                             f"StaticLossScale, DynamicLossScale) or None, got "
                             f"{type(loss_scale).__name__}")
+        if float8 is not None:
+            float8 = check_records(float8)
         leaves = floating_leaves(params)
         device = leaves[0].device if leaves else torch.device("cpu")
         opt_state = optimizer.init(params)
@@ -83,6 +92,7 @@ class TrainState(NamedTuple):
             step=torch.zeros((), dtype=torch.int64, device=device),
             model_state=model_state,
             skipped_total=torch.zeros((), dtype=torch.int32, device=device),
+            float8=float8,
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from fmp import _model
 from fmp._batch_cast import CastBatch, cast_batch_args, check_cast_batch, warn_cast_overflow
 from fmp._checks import check_loss_scale, check_param_policies
 from fmp._grad import grad_with_aux
+from fmp.float8 import _context as _float8
 from fmp.policy import Policy, cast_params, get_policy
 from fmp.tree import floating_leaves
 
@@ -142,23 +143,29 @@ class Caster:
 def scaled_loss_fn(loss_fn: Callable[..., Any], pol: Policy, has_aux: bool, autocast: bool,
                     cast_p: Caster, cast_batch: CastBatch = True,
                     skip_safe: bool = False) -> Callable[..., Any]:
-    """``f(params, loss_scale, lead, args, kwargs, cast) -> (scaled_loss, (loss32, aux))``.
+    """``f(params, loss_scale, lead, args, kwargs, cast, float8=None) -> (scaled_loss,
+    (loss32, aux))``.
 
     ``lead`` is passed to ``loss_fn`` before the batch and is not cast (model state);
-    ``cast=False``: ``params`` are already in their compute dtypes (the step's copy).
+    ``cast=False``: ``params`` are already in their compute dtypes (the step's copy);
+    ``float8``: ``(records, probes)`` published to the float8 layers while ``loss_fn``
+    runs (``fmp/float8/_context.py``), or None.
     """
     def scaled_loss(p: Any, loss_scale: Any, lead: tuple[Any, ...], args: tuple[Any, ...],
-                    kwargs: dict[str, Any], cast: bool):
+                    kwargs: dict[str, Any], cast: bool, float8: Any = None):
         cp = cast_p(p) if cast else p
         cargs, ckwargs = cast_batch_args(args, kwargs, pol.compute_dtype, cast_batch)
         act = _model.ACTIVE  # what apply_fn reads: how to cast the frozen params
         prev = (act.policy, act.param_policies, act.skip_safe)
         act.policy, act.param_policies, act.skip_safe = pol, cast_p.policies, skip_safe
+        f8_prev = None if float8 is None else _float8.publish(*float8)
         try:
             with _autocast_ctx(p, pol.compute_dtype, autocast):
                 out = loss_fn(cp, *lead, *cargs, **ckwargs)
         finally:
             act.policy, act.param_policies, act.skip_safe = prev
+            if f8_prev is not None:
+                _float8.restore(f8_prev)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise ValueError("with has_aux=True, loss_fn must return (loss, aux), got "

@@ -18,7 +18,9 @@ Two ways, both exact (the tensors are saved as they are, bit for bit):
       state = fmp.TrainState.from_state_dict(sd["train"])
 
 The state dict: ``{"format": "fmp.TrainState/1", "params": ..., "opt_state": ...,
-"loss_scale": ..., "step": tensor, "model_state": ..., "skipped_total": tensor}``. Plain
+"loss_scale": ..., "step": tensor, "model_state": ..., "skipped_total": tensor}``, with
+``"float8": {name: {"__fmp_node__": "Float8LinearScales", ...}}`` where the state holds
+float8 records (:mod:`fmp.float8`). Plain
 dicts with str keys (params and buffers dicts) stay dicts keyed as they were; any other
 node (tuple, list, None, an fmp record) becomes a dict with a ``"__fmp_node__"`` entry
 naming it and its children under their field names or positions ("0", "1", ...).
@@ -37,6 +39,7 @@ import torch
 from fmp import _records
 from fmp import loss_scale as _ls
 from fmp import optim as _optim
+from fmp.float8._scales import Float8LinearScales
 
 __all__ = ["FORMAT", "from_state_dict", "register_safe_globals", "state_dict"]
 
@@ -62,6 +65,8 @@ def _encode(x: Any, path: tuple[str, ...]) -> Any:
         return x
     if type(x) in _LOSS_SCALES.values():  # its fields: leaves (tensors), then hyper-parameters
         return {_NODE: type(x).__name__, **_records.as_dict(x)}
+    if type(x) is Float8LinearScales:  # its two tensors and its recipe's fields
+        return {_NODE: "Float8LinearScales", **x.state_dict()}
     if type(x).__name__ in _RECORDS and type(x) is _RECORDS[type(x).__name__]:
         return {_NODE: type(x).__name__,
                 **{f: _encode(getattr(x, f), (*path, f)) for f in x._fields}}
@@ -107,6 +112,8 @@ def _decode(x: Any, path: tuple[str, ...]) -> Any:
         return _children(x, path)
     if kind in _LOSS_SCALES:  # the saved tensors as they are (no check, no copy)
         return _records.from_dict(_LOSS_SCALES[kind], x)
+    if kind == "Float8LinearScales":  # the saved tensors as they are (shapes checked)
+        return Float8LinearScales.from_state_dict(x)
     if kind in _RECORDS:
         cls = _RECORDS[kind]
         missing = [f for f in cls._fields if f not in x and f not in cls._field_defaults]
@@ -128,7 +135,8 @@ def state_dict(state: Any) -> dict[str, Any]:
 
     Returns:
         ``{"format", "params", "opt_state", "loss_scale", "step", "model_state",
-        "skipped_total"}`` (see the module docstring for the encoding).
+        "skipped_total"}``, and ``"float8"`` where the state holds float8 records (see the
+        module docstring for the encoding).
 
     Raises:
         TypeError: ``state`` is not a TrainState, or holds a tree node other than dicts
@@ -147,6 +155,8 @@ def state_dict(state: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"format": FORMAT}
     for f in ("params", "opt_state", "loss_scale", "step", "model_state", "skipped_total"):
         out[f] = _encode(getattr(state, f), (f,))
+    if state.float8 is not None:  # only then: a state without float8 saves as before
+        out["float8"] = _encode(state.float8, ("float8",))
     return out
 
 
@@ -178,8 +188,8 @@ def from_state_dict(d: Mapping[str, Any]) -> Any:
         raise ValueError(f"TrainState.from_state_dict needs a dict from TrainState.state_dict() "
                          f"with format {FORMAT!r}; got {got!r}")
     fields = {f: _decode(d[f], (f,)) for f in
-              ("params", "opt_state", "loss_scale", "step", "model_state", "skipped_total")
-              if f in d}
+              ("params", "opt_state", "loss_scale", "step", "model_state", "skipped_total",
+               "float8") if f in d}
     missing = {"params", "opt_state", "loss_scale", "step"} - set(fields)
     if missing:
         raise ValueError(f"TrainState.from_state_dict: the state dict lacks {sorted(missing)}")
@@ -205,4 +215,4 @@ def register_safe_globals() -> None:
     add = getattr(torch.serialization, "add_safe_globals", None)
     if add is None:  # torch without the weights_only allowlist
         return
-    add([TrainState, *_RECORDS.values(), *_LOSS_SCALES.values()])
+    add([TrainState, *_RECORDS.values(), *_LOSS_SCALES.values(), Float8LinearScales])

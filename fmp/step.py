@@ -33,6 +33,7 @@ from fmp._step_trees import (
 from fmp._step_type import GradReducer, TrainStep
 from fmp._train_state import TrainState
 from fmp._value_and_grad import Caster, scaled_loss_fn, value_and_grad
+from fmp.float8 import _step as _float8
 from fmp.optim import (
     GradientTransformation,
     apply_updates,
@@ -131,8 +132,9 @@ def build_train_step(
     keep_copy = compute_copy and any(q.compute_dtype != q.param_dtype for q in pols)
 
     def grad_phase(state: TrainState, batch: tuple[Any, ...], loss_impl: Callable[..., Any]
-                   ) -> tuple[Any, Any, Any, Any]:
-        """-> (summed scaled grads, mean loss, aux, new model state), nothing applied yet."""
+                   ) -> tuple[Any, Any, Any, Any, Any]:
+        """-> (summed scaled grads, mean loss, aux, new model state, float8 amaxes), nothing
+        applied yet (the amaxes: None without float8 records)."""
         micro = split_batch(batch, accumulate)
         model_state = state.model_state
         copy = state.compute_params
@@ -140,12 +142,22 @@ def build_train_step(
         loss_sum: Any = None
         aux = None
         auxes = []
+        f8 = state.float8
+        amaxes = None
         for mb in micro:
             lead = (model_state,) if has_state else ()
-            grads, (loss, (new_ms, aux)) = grad_with_aux(
-                lambda p, _l=lead, _b=mb: loss_impl(p, state.loss_scale, _l, _b, {},
-                                                    copy is None),
-                state.params if copy is None else copy)
+            if f8 is None:
+                grads, (loss, (new_ms, aux)) = grad_with_aux(
+                    lambda p, _l=lead, _b=mb: loss_impl(p, state.loss_scale, _l, _b, {},
+                                                        copy is None),
+                    state.params if copy is None else copy)
+            else:  # the probes' grads are the float8 layers' amaxes (fmp/float8/_step.py)
+                probes = _float8.probes(f8)
+                (grads, got), (loss, (new_ms, aux)) = grad_with_aux(
+                    lambda pp, _l=lead, _b=mb: loss_impl(pp[0], state.loss_scale, _l, _b, {},
+                                                         copy is None, (f8, pp[1])),
+                    (state.params if copy is None else copy, probes))
+                amaxes = _float8.combine(amaxes, got)  # micro-batches: the max
             if has_state:
                 model_state = new_ms
             auxes.append(aux)
@@ -160,14 +172,24 @@ def build_train_step(
         loss = loss_sum if accumulate == 1 else loss_sum * (1.0 / accumulate)
         if has_aux and accumulate > 1:
             aux = stack_aux(auxes)
-        return grad_sum, loss, aux, model_state
+        return grad_sum, loss, aux, model_state, amaxes
 
     def update_phase(state: TrainState, batch: tuple[Any, ...], grad_sum: Any, loss: Any,
-                     aux: Any, model_state: Any) -> tuple[TrainState, dict[str, Any]]:
-        """Unscale, check, update (or skip), adjust the scale: the rest of the step."""
+                     aux: Any, model_state: Any, amaxes: Any = None
+                     ) -> tuple[TrainState, dict[str, Any]]:
+        """Unscale, check, update (or skip), adjust the scale: the rest of the step
+        (``amaxes``: the float8 layers', which update ``state.float8`` where finite)."""
         if state.compute_params is not None and accumulate == 1:
             grad_sum = to_param_dtypes(grad_sum, state.params)
         lr_ok = schedule_ok(optimizer, state.opt_state)  # a scheduled lr of inf/NaN/< 0 skips
+        # float8 amaxes (None without records) join the finite verdict: with a reducer in
+        # its all_finite, so every replica agrees
+        check = grads_finite
+        f8_ok = None
+        if amaxes is not None and grads_finite is not None:
+            check = lambda g: grads_finite((g, amaxes))  # noqa: E731
+        elif amaxes is not None:
+            f8_ok = _float8.amaxes_finite(amaxes)
         plan = (in_place_plan(optimizer, state.params, grad_sum, state.opt_state)
                 if donate else None)
         # what a grad could share storage with: what loss_fn sees (params or their copy,
@@ -179,7 +201,8 @@ def build_train_step(
             # fused kernel then updates params and moments in place, or skips on device.
             grads = grad_sum if reduce_grads is None else reduce_grads(grad_sum)
             grads, divisor, finite = state.loss_scale.unscale_for_fused(
-                grads, micro_batches=accumulate, protect=seen, check=grads_finite)
+                grads, micro_batches=accumulate, protect=seen, check=check)
+            finite = finite if f8_ok is None else finite & f8_ok  # a saturated inf
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             opt_state = update_in_place(optimizer, state.params, grads, state.opt_state,
                                         divisor, (~finite).to(torch.float32), plan=plan)
@@ -192,7 +215,8 @@ def build_train_step(
                     protect=seen)
             else:
                 grads = reduce_grads(state.loss_scale.unscale(grad_sum, micro_batches=accumulate))
-                finite = grads_finite(grads)
+                finite = check(grads)
+            finite = finite if f8_ok is None else finite & f8_ok  # a saturated inf
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
             new_params = apply_updates(state.params, updates)
@@ -214,9 +238,11 @@ def build_train_step(
         if prev_skipped is None:
             prev_skipped = torch.zeros((), dtype=torch.int32, device=finite.device)
         skipped_total = prev_skipped + skipped.to(torch.int32)
+        float8 = _float8.updated(state.float8, amaxes, finite)  # skipped: as they were
         new_state = TrainState(params=params, opt_state=opt_state, loss_scale=loss_scale,
                                step=state.step + 1, model_state=model_state,
-                               skipped_total=skipped_total, compute_params=copy)
+                               skipped_total=skipped_total, compute_params=copy,
+                               float8=float8)
         metrics = {"loss": loss, "grads_finite": grads_ok, "skipped": skipped,
                    "loss_scale": loss_scale.loss_scale, "skipped_total": skipped_total}
         if lr_ok is not None:
@@ -230,6 +256,8 @@ def build_train_step(
         """The step, with the scaled loss and the update phase given (fmp.compile passes
         compiled ones)."""
         check_param_dtypes(state.params, pol, param_policies)
+        if reducer is not None:
+            _float8.check_no_delayed(state.float8)
         cast_p.resolve(state.params)
         if donate and not torch.compiler.is_compiling():
             state = private_state(state)
