@@ -341,6 +341,9 @@ def build(model_name: str, variant: str, device: str, tiny: bool) -> tuple[Step,
     torch.manual_seed(0)
     if model_name not in MODELS:
         raise ValueError(f"unknown model {model_name!r}; accepted: {', '.join(MODELS)}")
+    if variant.startswith("amp_graph") and model_name == "resnet":
+        raise ValueError(f"{variant}: the graphed torch.amp peer is built for GPT models "
+                         "(AdamW), not resnet")
     if model_name in ("gpt", "gpt_medium"):
         if model_name == "gpt":
             c = models.GPTConfig.tiny() if tiny else models.GPTConfig()
