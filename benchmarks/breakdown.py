@@ -133,11 +133,16 @@ def profile_variant(model: str, variant: str, device: str, tiny: bool, steps: in
     """Build the variant with train_step's builders, time it, then profile ``steps`` steps."""
     from torch.profiler import ProfilerActivity, profile
 
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
-    step, _ = train_step.build(model, variant, device, tiny)
+        # start CUPTI before any graph is captured: kernels replayed from a graph captured
+        # before the tracer first ran may be reported as one launch, not kernel by kernel
+        with profile(activities=acts):
+            torch.zeros(1, device=device).add_(1)
+        torch.cuda.synchronize()
+    step, info = train_step.build(model, variant, device, tiny)
     ms, loss = train_step.time_steps(step, device, warmup, 10)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=acts) as prof:
         for _ in range(steps):
             step()
@@ -157,7 +162,12 @@ def profile_variant(model: str, variant: str, device: str, tiny: bool, steps: in
             t += us
     out = summarize(kernels, steps, statistics.median(ms) if device == "cuda" else None)
     out.update(model=model, variant=variant, loss=loss, device=device,
+               graphed=bool(info.get("graphed")),
                what="CUDA kernels" if device == "cuda" else "CPU aten ops, self time")
+    if device == "cuda" and out["kernels_per_step"] < 50:
+        # a GPT-2 step runs hundreds of kernels: fewer means the tracer missed the graph's
+        out["warning"] = (f"only {out['kernels_per_step']:.0f} kernels per step seen: the "
+                          "profiler did not see the kernels inside the CUDA graph replay")
     return out
 
 

@@ -2,6 +2,15 @@
 
     python benchmarks/train_step.py                      # CUDA: GPT-2 small + ResNet-50
     python benchmarks/train_step.py --tiny --device cpu  # smoke test (the suite runs this)
+    python benchmarks/train_step.py --isolate ...        # a process per compiled variant
+
+Issue 18: ``amp_graph_fp16`` / ``amp_graph_bf16`` are torch.amp's whole step (compiled model
++ loss, fused capturable AdamW, GradScaler for fp16) in one CUDA graph; ``fmp_fp16_graph`` /
+``fmp_bf16_graph`` are ``fmp.cuda_graph(fmp.compile(step))`` with donation. ``--isolate`` runs
+each compiled or graphed variant in its own process with an empty inductor cache
+(``compile_s`` is then a cold build + compile + warm-up + capture); every variant's loss is
+checked against the eager torch.amp step of its precision after as many steps and marked
+``invalid`` (and left out of the ratios) beyond ``LOSS_RTOL``. ``gpt_medium`` is GPT-2 medium.
 
 Per variant: median step time over the timed steps (CUDA events), throughput, MFU against a
 bf16 matmul peak measured in this run, peak memory (the variant's own: what it allocated on
@@ -750,6 +759,9 @@ def ratios(res: dict[str, dict[str, Any]], unscale: dict[str, float]) -> dict[st
     syncs = [r.get("syncs_per_step") for m in res for v, r in res[m].items()
              if v.startswith("fmp") and get(m, v) and r.get("syncs_per_step") is not None]
     out["fmp_host_syncs_per_step"] = max(syncs) if syncs else None
+    peer = [r.get("syncs_per_step") for m in res for v, r in res[m].items()
+            if v.startswith("amp_graph") and get(m, v) and r.get("syncs_per_step") is not None]
+    out["torch_amp_graph_host_syncs_per_step"] = max(peer) if peer else None
     invalid = sorted(f"{m}:{v}" for m in res for v, r in res[m].items() if r.get("invalid"))
     if invalid:
         out["invalid_variants_left_out"] = invalid
@@ -866,6 +878,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     r = run_isolated(m, v, args)
                 else:
                     r = run_variant(m, v, args)
+                    if is_compiled(v) and "error" not in r:
+                        # dynamo's code may be shared with other variants of this process
+                        # (issue 18); --isolate gives each its own process
+                        r["isolated"] = False
                 rounds[v].append(r)
                 print(f"[{m}] round {k + 1} {v}: " + (r["error"] if "error" in r else
                       f"{r['ms']:.2f} ms  loss {r['loss']:.4f}"), flush=True)
