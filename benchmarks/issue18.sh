@@ -5,7 +5,8 @@
 #                                      # ResNet-50; ratios                      (~420-480 s)
 #   bash benchmarks/issue18.sh part2   # kernel-time breakdown of fmp's and the peer's graphed
 #                                      # steps, fp16 and bf16 (a process each)   (~350-420 s)
-#   bash benchmarks/issue18.sh part3   # GPT-2 medium bf16: fmp graph, peer graph, eager amp
+#   bash benchmarks/issue18.sh part3   # the peer's GradScaler-in-graph CUDA test; then
+#                                      # GPT-2 medium bf16: fmp graph, peer graph, eager amp
 #   bash benchmarks/issue18.sh part4   # GPT-2 medium fp16: the same            (~250-450 s each)
 # Each part writes one JSON and one log under $OUT (2 files a part). The eager bf16 and fp16
 # references of the loss check run inside each part. To put the medium rows beside part1's
@@ -35,9 +36,13 @@ part2)
         --out "$OUT/part2.json" 2>&1 | tee "$OUT/part2.log" | tail -25 ;;
 part3|part4)
     p=bf16; [ "$part" = part4 ] && p=fp16
+    if [ "$part" = part3 ]; then  # GradScaler inside the peer's graph: skip + backoff (~30 s)
+        $TS 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rA \
+            tests/test_bench18_peer_cuda.py 2>&1 | tee "$OUT/$part.log" | tail -3
+    fi
     $TS 570 python3 benchmarks/train_step.py --isolate --variant-timeout 420 --no-unscale \
         --models gpt_medium --gpt-medium-variants amp_${p}_eager,amp_graph_${p},fmp_${p}_graph \
-        --steps 20 --warmup 5 --out /tmp/p3 --machine "$part" 2>&1 | tee "$OUT/$part.log" | tail -30
+        --steps 20 --warmup 5 --out /tmp/p3 --machine "$part" 2>&1 | tee -a "$OUT/$part.log" | tail -30
     cp /tmp/p3/$part-*.json "$OUT/$part.json" ;;
 *) echo "unknown part $part (part1|part2|part3|part4)"; exit 2 ;;
 esac

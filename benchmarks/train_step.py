@@ -258,6 +258,7 @@ def build_torch_graph(model: torch.nn.Module, batch, device: str, mode: str, los
 
     step.report = report  # type: ignore[attr-defined]
     step.graph = graph  # type: ignore[attr-defined]  # keeps the graph alive with the step
+    step.scaler, step.params = scaler, list(model.parameters())  # type: ignore[attr-defined]
     return step
 
 
