@@ -832,7 +832,8 @@ def _merge(args) -> dict[str, Any]:
         first = first or d
         for m, vs in d["results"].items():
             res.setdefault(m, {}).update(vs)
-        refs.update(d.get("loss_references", {}))
+        for m, per in d.get("loss_references", {}).items():
+            refs.setdefault(m, {}).update(per)
         unscale = d.get("unscale") or unscale
     assert first is not None
     out = dict(first, results=res, loss_references=refs, unscale=unscale,

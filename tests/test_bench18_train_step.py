@@ -134,20 +134,22 @@ def test_precision_of_names():
 
 
 def test_merge_recomputes_ratios(tmp_path):
-    def part(name, res):
-        p = tmp_path / f"{name}.json"
-        p.write_text(json.dumps({"date": "2026-12-05", "machine": name, "device": "x",
+    def part(name, res, p):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"date": "2026-12-05", "machine": name, "device": "x",
                                  "torch": "t", "bf16_peak_tflops": None, "results": res,
-                                 "unscale": {}, "ratios": {}}))
-        return str(p)
+                                 "unscale": {}, "ratios": {},
+                                 "loss_references": {"gpt_medium": {p: [1.0]}}}))
+        return str(f)
 
     a = part("a", {"gpt_medium": {"amp_bf16_eager": _r(100.0, peak=30.0),
-                                  "fmp_bf16_graph": _r(50.0, peak=15.0)}})
+                                  "fmp_bf16_graph": _r(50.0, peak=15.0)}}, "bf16")
     b = part("b", {"gpt_medium": {"amp_fp16_eager": _r(90.0, peak=30.0),
-                                  "fmp_fp16_graph": _r(60.0, peak=12.0)}})
+                                  "fmp_fp16_graph": _r(60.0, peak=12.0)}}, "fp16")
     out = train_step.main(["--merge", a, b, "--out", str(tmp_path), "--machine", "m"])
     assert out["ratios"]["gpt_medium_fmp_graph_vs_torch_amp_best_bf16"] == pytest.approx(2.0)
     assert out["ratios"]["gpt_medium_fmp_graph_vs_torch_amp_best_fp16"] == pytest.approx(1.5)
+    assert sorted(out["loss_references"]["gpt_medium"]) == ["bf16", "fp16"]
     assert (tmp_path / "m-2026-12-05-merged.json").exists()
 
 
