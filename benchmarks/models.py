@@ -22,6 +22,16 @@ class GPTConfig:
     def tiny(cls) -> GPTConfig:
         return cls(vocab=128, seq=32, n_layer=2, n_head=2, d=32)
 
+    @classmethod
+    def medium(cls) -> GPTConfig:
+        """GPT-2 medium's shape (~350M params with the tied head)."""
+        return cls(n_layer=24, n_head=16, d=1024)
+
+    @classmethod
+    def tiny_medium(cls) -> GPTConfig:
+        """The smoke-test stand-in for medium: deeper and wider than tiny()."""
+        return cls(vocab=128, seq=32, n_layer=3, n_head=4, d=64)
+
 
 class Block(nn.Module):
     def __init__(self, c: GPTConfig) -> None:

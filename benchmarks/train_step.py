@@ -2,6 +2,15 @@
 
     python benchmarks/train_step.py                      # CUDA: GPT-2 small + ResNet-50
     python benchmarks/train_step.py --tiny --device cpu  # smoke test (the suite runs this)
+    python benchmarks/train_step.py --isolate ...        # a process per compiled variant
+
+Issue 18: ``amp_graph_fp16`` / ``amp_graph_bf16`` are torch.amp's whole step (compiled model
++ loss, fused capturable AdamW, GradScaler for fp16) in one CUDA graph; ``fmp_fp16_graph`` /
+``fmp_bf16_graph`` are ``fmp.cuda_graph(fmp.compile(step))`` with donation. ``--isolate`` runs
+each compiled or graphed variant in its own process with an empty inductor cache
+(``compile_s`` is then a cold build + compile + warm-up + capture); every variant's loss is
+checked against the eager torch.amp step of its precision after as many steps and marked
+``invalid`` (and left out of the ratios) beyond ``LOSS_RTOL``. ``gpt_medium`` is GPT-2 medium.
 
 Per variant: median step time over the timed steps (CUDA events), throughput, MFU against a
 bf16 matmul peak measured in this run, peak memory (the variant's own: what it allocated on
@@ -18,10 +27,13 @@ import argparse
 import datetime as _dt
 import gc
 import json
+import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -36,6 +48,7 @@ import models
 import fmp
 
 Step = Callable[[], torch.Tensor]  # runs one step, returns the loss tensor (no sync)
+MODELS = ("gpt", "gpt_medium", "resnet")
 
 
 # --------------------------------------------------------------------------- timing
@@ -44,12 +57,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_steps(step: Step, device: str, warmup: int, steps: int) -> tuple[list[float], float]:
-    """Per-step milliseconds (device events on CUDA) and the loss after the last step."""
+def time_steps(step: Step, device: str, warmup: int, steps: int,
+               on_warm: Callable[[], None] | None = None) -> tuple[list[float], float]:
+    """Per-step milliseconds (device events on CUDA) and the loss after the last step.
+
+    ``on_warm`` is called once the warm-up steps have finished on the device, just before
+    the first timed step (the variant's build-to-first-timed-step wall time ends there).
+    """
     loss = None
     for _ in range(warmup):
         loss = step()
     _sync(device)
+    if on_warm is not None:
+        on_warm()
     times = []
     for _ in range(steps):
         if device == "cuda":
@@ -150,11 +170,100 @@ def build_torch(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
         scaler.update()
         return loss.detach()
 
+    step.report = lambda: (  # type: ignore[attr-defined]
+        {"loss_scale": float(scaler.get_scale())} if low is torch.float16 else {})
+    return step
+
+
+GRAPH_WARMUP = 3  # training steps before capture, for the graphed peer and fmp.cuda_graph
+
+
+def build_torch_graph(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
+                      info: dict[str, Any]) -> Step:
+    """The fastest torch.amp step a user can write: the whole step in one CUDA graph.
+
+    Model and loss in one function under ``torch.compile`` (default mode), fused capturable
+    AdamW (the hyper-parameters of ``_torch_adamw``), a GradScaler for fp16 (none for bf16),
+    then torch's whole-network capture recipe: warm-up steps on a side stream (they train,
+    compile forward and backward, and create the optimizer and scaler state), grads set to
+    None, and forward / backward / ``scaler.step`` / ``scaler.update`` captured in one
+    ``torch.cuda.CUDAGraph``. Backward in the capture allocates the ``.grad`` tensors from
+    the graph's pool and every replay overwrites them, so no zero_grad is replayed.
+
+    GradScaler is capture-safe with this optimizer: fused AdamW sets
+    ``_step_supports_amp_scaling``, so ``scaler.step`` hands it the scale and the found-inf
+    tensor (no ``.item()``), and ``scaler.update`` updates the scale and growth tracker in
+    place on the device (torch's ``test_graph_scaling_fused_optimizers`` captures the same).
+
+    On CPU (the smoke test) the same step body runs eagerly, not compiled and not graphed
+    (``info["graphed"]`` says which ran).
+    """
+    x, y = batch
+    if not isinstance(model, models.GPT):
+        raise ValueError(f"{mode}: the graphed torch.amp peer is built for GPT models (AdamW), "
+                         f"got {type(model).__name__}")
+    low = torch.float16 if "fp16" in mode else torch.bfloat16
+    fp16 = low is torch.float16
+    cuda = device == "cuda"
+    kw = {"fused": True, "capturable": True} if cuda else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, **kw)
+    scaler = torch.amp.GradScaler(device, enabled=fp16)
+
+    def forward(a, b):
+        return loss_of(model(a), b)
+
+    fwd = torch.compile(forward) if cuda else forward
+    sx, sy = x.clone(), y.clone()  # the graph's static inputs
+
+    def body() -> torch.Tensor:
+        with torch.autocast(device, dtype=low):
+            loss = fwd(sx, sy)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss.detach()
+
+    def report() -> dict[str, Any]:
+        return {"loss_scale": float(scaler.get_scale())} if fp16 else {}
+
+    info["graphed"] = cuda
+    if not cuda:
+        def step() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            sx.copy_(x)
+            sy.copy_(y)
+            return body()
+
+        step.report = report  # type: ignore[attr-defined]
+        return step
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(GRAPH_WARMUP):
+            opt.zero_grad(set_to_none=True)
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    info["train_steps_in_build"] = GRAPH_WARMUP  # the capture itself runs nothing
+    opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = body()
+
+    def step() -> torch.Tensor:
+        sx.copy_(x)  # the batch into the static inputs, as fmp.cuda_graph does
+        sy.copy_(y)
+        graph.replay()
+        return static_loss
+
+    step.report = report  # type: ignore[attr-defined]
+    step.graph = graph  # type: ignore[attr-defined]  # keeps the graph alive with the step
+    step.scaler, step.params = scaler, list(model.parameters())  # type: ignore[attr-defined]
     return step
 
 
 def build_fmp(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
-              make_opt) -> Step:
+              make_opt, info: dict[str, Any] | None = None) -> Step:
     """fmp functional step: eager, compiled (whole step), compiled + CUDA graph."""
     x, y = batch
     policy = "bf16-mixed" if "bf16" in mode else "fp16-mixed"
@@ -189,21 +298,30 @@ def build_fmp(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
     if "graph" in mode:
         # fmp.cuda_graph: warm-up on a side stream (training the state, as torch's recipe
         # does: no copy of the state), one capture, then a replay per step
-        graphed = fmp.cuda_graph(step_fn, holder["state"], x, y, warmup=3,
+        graphed = fmp.cuda_graph(step_fn, holder["state"], x, y, warmup=GRAPH_WARMUP,
                                  warmup_trains=True)
+        if info is not None:
+            info["train_steps_in_build"] = GRAPH_WARMUP  # the capture itself runs nothing
+            info["graphed"] = True
 
         def step() -> torch.Tensor:
             holder["state"], m = graphed(holder["state"], x, y)
             return m["loss"]
+    else:
+        def step() -> torch.Tensor:
+            if "_ro" in mode:
+                torch.compiler.cudagraph_mark_step_begin()
+            holder["state"], m = step_fn(holder["state"], x, y)
+            return m["loss"]
 
-        return step
+    def report() -> dict[str, Any]:
+        st = holder["state"]
+        out = {"skipped": int(st.skipped_total)} if st.skipped_total is not None else {}
+        if isinstance(st.loss_scale, fmp.DynamicLossScale):
+            out["loss_scale"] = float(st.loss_scale.loss_scale)
+        return out
 
-    def step() -> torch.Tensor:
-        if "_ro" in mode:
-            torch.compiler.cudagraph_mark_step_begin()
-        holder["state"], m = step_fn(holder["state"], x, y)
-        return m["loss"]
-
+    step.report = report  # type: ignore[attr-defined]
     return step
 
 
@@ -231,8 +349,16 @@ def build_apex(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
 
 def build(model_name: str, variant: str, device: str, tiny: bool) -> tuple[Step, dict]:
     torch.manual_seed(0)
-    if model_name == "gpt":
-        c = models.GPTConfig.tiny() if tiny else models.GPTConfig()
+    if model_name not in MODELS:
+        raise ValueError(f"unknown model {model_name!r}; accepted: {', '.join(MODELS)}")
+    if variant.startswith("amp_graph") and model_name == "resnet":
+        raise ValueError(f"{variant}: the graphed torch.amp peer is built for GPT models "
+                         "(AdamW), not resnet")
+    if model_name in ("gpt", "gpt_medium"):
+        if model_name == "gpt":
+            c = models.GPTConfig.tiny() if tiny else models.GPTConfig()
+        else:
+            c = models.GPTConfig.tiny_medium() if tiny else models.GPTConfig.medium()
         batch_size = 2 if tiny else 16
         model = models.GPT(c).to(device)
         batch = _gpt_batch(c, batch_size, device)
@@ -265,8 +391,11 @@ def build(model_name: str, variant: str, device: str, tiny: bool) -> tuple[Step,
         def fmp_opt():
             return fmp.optim.sgd(0.02, momentum=0.9)
 
+    info["train_steps_in_build"] = 0
+    if variant.startswith("amp_graph"):
+        return build_torch_graph(model, batch, device, variant, loss_of, info), info
     if variant.startswith("fmp"):
-        return build_fmp(model, batch, device, variant, loss_of, fmp_opt), info
+        return build_fmp(model, batch, device, variant, loss_of, fmp_opt, info), info
     if variant.startswith("apex"):
         return build_apex(model, batch, device, variant, loss_of, torch_opt), info
     return build_torch(model, batch, device, variant, loss_of, torch_opt), info
@@ -335,6 +464,9 @@ GPT_VARIANTS = ["fp32", "amp_fp16_eager", "amp_bf16_eager", "fmp_fp16_eager",
 # with _nocopy (train_step(compute_copy=False): cast the params every step)
 RESNET_VARIANTS = ["fp32", "amp_fp16_eager", "amp_bf16_eager", "apex_o1", "apex_o2",
                    "fmp_fp16_eager", "fmp_fp16_eager_donate"]
+# GPT-2 medium (issue 18): fmp's graphed step and torch.amp's strongest steps, both dtypes
+GPT_MEDIUM_VARIANTS = ["amp_bf16_eager", "amp_graph_bf16", "fmp_bf16_graph",
+                       "amp_fp16_eager", "amp_graph_fp16", "fmp_fp16_graph"]
 
 
 def _fresh(device: str) -> int:
@@ -366,9 +498,12 @@ def run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
 def _run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
     base = _fresh(args.device)
     t0 = time.perf_counter()
+    warm_at: list[float] = []
     try:
         step, info = build(model_name, variant, args.device, args.tiny)
-        ms, loss = time_steps(step, args.device, args.warmup, args.steps)
+        ms, loss = time_steps(step, args.device, args.warmup, args.steps,
+                              on_warm=lambda: warm_at.append(time.perf_counter()))
+        extra = step.report() if hasattr(step, "report") else {}
         syncs = count_syncs(step, args.device)
     except Exception as e:  # a variant that cannot run is reported, not fatal
         if ("compiled" in variant or "graph" in variant) and not getattr(args, "_retry", False):
@@ -390,7 +525,13 @@ def _run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
     med = statistics.median(ms)
     r = {"ms": med, "ms_min": min(ms), "ms_max": max(ms), "loss": loss, "syncs_per_step": syncs,
          "throughput": info["items_per_step"] / (med * 1e-3), "unit": info["unit"],
-         "wall_s": time.perf_counter() - t0}
+         "wall_s": time.perf_counter() - t0,
+         # build + compile + warm-up + capture: wall clock until the first timed step
+         "compile_s": warm_at[0] - t0,
+         # training steps before the reported loss (the loss check compares at this count)
+         "train_steps": info["train_steps_in_build"] + args.warmup + args.steps, **extra}
+    if "graphed" in info:
+        r["graphed"] = info["graphed"]
     if args.device == "cuda":
         # the variant's own peak: model, state, compile, graphs, steps (not what is left
         # of earlier variants, which _fresh could not free)
@@ -414,55 +555,228 @@ def combine_rounds(rs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def ratios(res: dict[str, dict[str, Any]], unscale: dict[str, float]) -> dict[str, float]:
+# --------------------------------------------------------------------------- isolation
+def is_compiled(variant: str) -> bool:
+    """Variants that run dynamo (compiled or graphed): these get a process each."""
+    return "compiled" in variant or "graph" in variant
+
+
+def run_isolated(model_name: str, variant: str, args) -> dict[str, Any]:
+    """Run one variant in its own ``--single`` process with an empty inductor/Triton cache.
+
+    Two models compiled from one function's code in one process shared dynamo's compiled
+    code (issue 18: NaN losses in a whole-step graph, a segfault with two graphs); a process
+    per variant shares nothing, and its fresh cache makes ``compile_s`` a cold compile.
+    The child's output goes to this process's stdout/stderr (the log).
+    """
+    with tempfile.TemporaryDirectory(prefix="fmp-bench-") as tmp:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--single",
+               f"{model_name}:{variant}", "--result-json", out, "--device", args.device,
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        if args.tiny:
+            cmd.append("--tiny")
+        if args.peak:
+            cmd += ["--peak-tflops", repr(args.peak)]
+        t0 = time.perf_counter()
+        sys.stdout.flush()
+        try:
+            proc = subprocess.run(cmd, env=env, timeout=args.variant_timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timeout: the variant's process ran past "
+                    f"--variant-timeout {args.variant_timeout} s", "isolated": True}
+        if proc.returncode != 0 or not os.path.exists(out):
+            return {"error": f"the variant's process exited with {proc.returncode} "
+                    "(its output is in the log above)", "isolated": True}
+        r = json.loads(Path(out).read_text())
+    r["isolated"] = True
+    r["process_s"] = time.perf_counter() - t0  # interpreter start and imports included
+    return r
+
+
+# --------------------------------------------------------------------------- loss check
+# A variant's loss after its training steps against the eager torch.amp step of the same
+# precision after as many steps (same seed, same model init, same batch every step). 2%:
+# correct variants of the GPT-2 step landed within 0.5% of each other after 25-28 steps
+# (h200-latest.json: 9.504-9.550) while training moved the loss 12% from its start (10.83),
+# so a NaN, an update that does not happen or a step that trains on other weights is far
+# outside, and rounding differences between kernels (fp16 or bf16) stay inside.
+LOSS_RTOL = 0.02
+
+
+def precision_of(variant: str) -> str:
+    """'fp32', 'bf16' or 'fp16' (apex and unmarked mixed variants are fp16)."""
+    if variant == "fp32":
+        return "fp32"
+    return "bf16" if "bf16" in variant else "fp16"
+
+
+def reference_variant(precision: str) -> str:
+    return "fp32" if precision == "fp32" else f"amp_{precision}_eager"
+
+
+def reference_losses(model_name: str, precision: str, n: int, args) -> list[float]:
+    """The eager reference's loss after each of its first ``n`` steps (synced every step)."""
+    _fresh(args.device)
+    try:
+        step, _ = build(model_name, reference_variant(precision), args.device, args.tiny)
+        out = [float(step()) for _ in range(n)]
+        del step
+    finally:
+        _drop_apex_casts()
+    _fresh(args.device)
+    return out
+
+
+def check_losses(res: dict[str, dict[str, Any]], refs: dict[str, dict[str, list[float]]],
+                 rtol: float = LOSS_RTOL) -> None:
+    """Mark every result ``invalid`` whose loss departs from its reference beyond ``rtol``.
+
+    Args:
+        res: ``{model: {variant: result}}``; results get ``loss_ref``, ``loss_rel_err``,
+            ``invalid`` (True or False), or ``loss_check: "no reference"``.
+        refs: ``{model: {precision: [loss after step 1, 2, ...]}}``.
+        rtol: the relative tolerance.
+    """
+    for m, vs in res.items():
+        for v, r in vs.items():
+            if "error" in r:
+                continue
+            traj = refs.get(m, {}).get(precision_of(v))
+            n = r.get("train_steps")
+            if not traj or not n or n > len(traj):
+                r["loss_check"] = "no reference"
+                continue
+            ref = traj[n - 1]
+            r["loss_ref"], r["loss_ref_variant"] = ref, reference_variant(precision_of(v))
+            finite = math.isfinite(r["loss"]) and math.isfinite(ref)
+            err = abs(r["loss"] - ref) / abs(ref) if finite and ref != 0 else None
+            r["loss_rel_err"] = err
+            r["invalid"] = err is None or err > rtol
+
+
+def _loss_references(res: dict[str, dict[str, Any]], args) -> dict[str, dict[str, list]]:
+    refs: dict[str, dict[str, list[float]]] = {}
+    for m, vs in res.items():
+        ok = {v: r for v, r in vs.items() if "error" not in r and r.get("train_steps")}
+        if not ok:
+            continue
+        n = max(r["train_steps"] for r in ok.values())
+        refs[m] = {p: reference_losses(m, p, n, args)
+                   for p in sorted({precision_of(v) for v in ok})}
+    return refs
+
+
+# --------------------------------------------------------------------------- ratios
+def ratios(res: dict[str, dict[str, Any]], unscale: dict[str, float]) -> dict[str, Any]:
+    """The headline ratios; variants with an error or marked ``invalid`` are left out.
+
+    Speed ratios are throughput ratios (= peer ms / fmp ms: > 1 means fmp is faster);
+    memory and compile-time ratios are fmp / peer (< 1 means fmp uses less).
+    """
+    def get(m, v):
+        r = res.get(m, {}).get(v)
+        return None if not r or "error" in r or r.get("invalid") else r
+
     def thr(m, v):
-        return res.get(m, {}).get(v, {}).get("throughput")
+        r = get(m, v)
+        return r.get("throughput") if r else None
+
+    def field(m, v, k):
+        r = get(m, v)
+        return r.get(k) if r else None
 
     def ratio(m, a, b):
         x, y = thr(m, a), thr(m, b)
         return x / y if x and y else None
 
+    def frac(m, a, b, k):
+        x, y = field(m, a, k), field(m, b, k)
+        return x / y if x and y else None
+
+    def best(m, cands):
+        return max((v for v in cands if thr(m, v)), key=lambda v: thr(m, v), default=None)
+
     out: dict[str, Any] = {}
-    gpt = res.get("gpt", {})
-    best_amp_c = max((v for v in ("amp_fp16_compiled", "amp_fp16_compiled_ro",
-                                  "amp_fp16_compiled_loss", "amp_fp16_compiled_loss_ro",
-                                  "amp_fp16_compiled_loss_combo",
-                                  "amp_fp16_compiled_loss_ro_combo")
-                      if thr("gpt", v)), key=lambda v: thr("gpt", v), default=None)
-    best_fmp_c = max((v for v in ("fmp_fp16_compiled", "fmp_fp16_compiled_ro",
-                                  "fmp_fp16_graph") if thr("gpt", v)),
-                     key=lambda v: thr("gpt", v), default=None)
+    best_amp_c = best("gpt", ("amp_fp16_compiled", "amp_fp16_compiled_ro",
+                              "amp_fp16_compiled_loss", "amp_fp16_compiled_loss_ro",
+                              "amp_fp16_compiled_loss_combo",
+                              "amp_fp16_compiled_loss_ro_combo", "amp_graph_fp16"))
+    best_fmp_c = best("gpt", ("fmp_fp16_compiled", "fmp_fp16_compiled_ro", "fmp_fp16_graph"))
     if best_amp_c and best_fmp_c:
         out["fmp_compiled_vs_torch_amp_compiled"] = ratio("gpt", best_fmp_c, best_amp_c)
         out["fmp_compiled_variant"], out["torch_amp_compiled_variant"] = best_fmp_c, best_amp_c
-        pa, pf = gpt[best_amp_c].get("peak_gb"), gpt[best_fmp_c].get("peak_gb")
-        if pa and pf:
-            out["fmp_compiled_peak_mem_vs_torch_amp_compiled"] = pf / pa
-    best_fmp_e = max((v for v in ("fmp_fp16_eager", "fmp_fp16_eager_donate") if thr("gpt", v)),
-                     key=lambda v: thr("gpt", v), default=None)
+        out["fmp_compiled_peak_mem_vs_torch_amp_compiled"] = frac("gpt", best_fmp_c,
+                                                                  best_amp_c, "peak_gb")
+    # issue 18: fmp's graphed step against torch.amp's whole step in one CUDA graph
+    for p in ("fp16", "bf16"):
+        out[f"fmp_graph_vs_torch_amp_graph_{p}"] = ratio("gpt", f"fmp_{p}_graph",
+                                                         f"amp_graph_{p}")
+        out[f"fmp_graph_peak_mem_vs_torch_amp_graph_{p}"] = frac(
+            "gpt", f"fmp_{p}_graph", f"amp_graph_{p}", "peak_gb")
+    out["fmp_graph_peak_mem_vs_torch_amp_graph"] = out["fmp_graph_peak_mem_vs_torch_amp_graph_fp16"]
+    best_fmp_g = best("gpt", ("fmp_fp16_graph", "fmp_bf16_graph"))
+    if best_fmp_g:
+        peer = f"amp_graph_{precision_of(best_fmp_g)}"
+        out["fmp_compile_time_vs_torch_amp_graph"] = frac("gpt", best_fmp_g, peer, "compile_s")
+        out["fmp_compile_time_variants"] = [best_fmp_g, peer]
+        out["fmp_compile_s"] = field("gpt", best_fmp_g, "compile_s")
+        out["torch_amp_graph_compile_s"] = field("gpt", peer, "compile_s")
+    best_fmp = best("gpt", [v for v in res.get("gpt", {}) if v.startswith("fmp")])
+    if best_fmp:
+        out["fmp_mfu_vs_measured_matmul_peak"] = field("gpt", best_fmp, "mfu")
+        out["fmp_best_variant"] = best_fmp
+    eager = ("fmp_fp16_eager", "fmp_fp16_eager_donate")
+    best_fmp_e = best("gpt", eager)
     if best_fmp_e:
         out["fmp_eager_vs_torch_amp_eager"] = ratio("gpt", best_fmp_e, "amp_fp16_eager")
         out["fmp_eager_variant"] = best_fmp_e
+    best_fmp_er = best("resnet", eager)
+    if best_fmp_er:
+        out["fmp_eager_vs_torch_amp_eager_resnet50"] = ratio("resnet", best_fmp_er,
+                                                             "amp_fp16_eager")
+        out["fmp_eager_variant_resnet50"] = best_fmp_er
     out["apex_o1_vs_torch_amp_eager"] = ratio("gpt", "apex_o1", "amp_fp16_eager")
     out["apex_o2_vs_torch_amp_eager_resnet50"] = ratio("resnet", "apex_o2", "amp_fp16_eager")
+    # GPT-2 medium: fmp's graphed step against torch.amp's strongest step of each dtype
+    med = res.get("gpt_medium", {})
+    for p in ("bf16", "fp16"):
+        peer = best("gpt_medium", [v for v in med if v.startswith("amp") and
+                                   precision_of(v) == p])
+        if peer and thr("gpt_medium", f"fmp_{p}_graph"):
+            k = f"gpt_medium_fmp_graph_vs_torch_amp_best_{p}"
+            out[k] = ratio("gpt_medium", f"fmp_{p}_graph", peer)
+            out[f"gpt_medium_fmp_graph_peak_mem_vs_torch_amp_best_{p}"] = frac(
+                "gpt_medium", f"fmp_{p}_graph", peer, "peak_gb")
+            out[f"gpt_medium_torch_amp_best_{p}_variant"] = peer
     if unscale:
         # the path the donated train step takes (the pure path is reported beside it)
         out["unscale_check_vs_copy_bandwidth"] = (unscale["copy_ms"]
                                                   / unscale["fmp_donated_unscale_check_ms"])
         out["unscale_check_pure_vs_copy_bandwidth"] = (unscale["copy_ms"]
                                                        / unscale["fmp_pure_unscale_then_check_ms"])
-    syncs = [v.get("syncs_per_step") for k, v in gpt.items() if k.startswith("fmp")
-             and v.get("syncs_per_step") is not None]
+    syncs = [r.get("syncs_per_step") for m in res for v, r in res[m].items()
+             if v.startswith("fmp") and get(m, v) and r.get("syncs_per_step") is not None]
     out["fmp_host_syncs_per_step"] = max(syncs) if syncs else None
+    peer = [r.get("syncs_per_step") for m in res for v, r in res[m].items()
+            if v.startswith("amp_graph") and get(m, v) and r.get("syncs_per_step") is not None]
+    out["torch_amp_graph_host_syncs_per_step"] = max(peer) if peer else None
+    invalid = sorted(f"{m}:{v}" for m in res for v, r in res[m].items() if r.get("invalid"))
+    if invalid:
+        out["invalid_variants_left_out"] = invalid
     return {k: v for k, v in out.items() if v is not None}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+# --------------------------------------------------------------------------- main
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=["cpu", "cuda"])
-    ap.add_argument("--models", default="gpt,resnet")
+    ap.add_argument("--models", default="gpt,resnet", help="any of " + ",".join(MODELS))
     ap.add_argument("--gpt-variants", default=",".join(GPT_VARIANTS))
+    ap.add_argument("--gpt-medium-variants", default=",".join(GPT_MEDIUM_VARIANTS))
     ap.add_argument("--resnet-variants", default=",".join(RESNET_VARIANTS))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
@@ -471,39 +785,119 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "median round (the spread between runs was ~4%% on the H200)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--no-unscale", action="store_true")
+    ap.add_argument("--isolate", action="store_true",
+                    help="run every compiled/graphed variant in its own process with an "
+                    "empty inductor cache (cold compile time; no dynamo code shared)")
+    ap.add_argument("--variant-timeout", type=float, default=300.0,
+                    help="seconds an isolated variant's process may run")
+    ap.add_argument("--no-loss-check", action="store_true",
+                    help="skip the eager reference runs and the invalid marking")
+    ap.add_argument("--loss-rtol", type=float, default=LOSS_RTOL)
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the bf16 matmul peak for MFU (measured when not given)")
+    ap.add_argument("--single", default=None, metavar="MODEL:VARIANT",
+                    help="run one variant and write its result to --result-json (what "
+                    "--isolate runs)")
+    ap.add_argument("--result-json", default=None)
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="merge result files of this script (later ones win per variant), "
+                    "recompute the ratios, write <out>/<machine>-<date>-merged.json")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--machine", default=os.environ.get("FMP_MACHINE", platform.node()))
+    return ap
+
+
+def _single(args, ap) -> dict[str, Any]:
+    m, sep, v = args.single.partition(":")
+    if not sep or m not in MODELS or not v:
+        ap.error(f"--single wants MODEL:VARIANT with MODEL one of {', '.join(MODELS)}, "
+                 f"got {args.single!r}")
+    if not args.result_json:
+        ap.error("--single needs --result-json")
+    args.peak = args.peak_tflops
+    r = run_variant(m, v, args)
+    print(f"[{m}] {v} (own process): " + (r["error"] if "error" in r else
+          f"{r['ms']:.2f} ms  loss {r['loss']:.4f}  compile {r['compile_s']:.1f} s"), flush=True)
+    Path(args.result_json).write_text(json.dumps(r, indent=1))
+    return r
+
+
+def _merge(args) -> dict[str, Any]:
+    res: dict[str, dict[str, Any]] = {}
+    refs: dict[str, Any] = {}
+    unscale: dict[str, float] = {}
+    first = None
+    for f in args.merge:
+        d = json.loads(Path(f).read_text())
+        first = first or d
+        for m, vs in d["results"].items():
+            res.setdefault(m, {}).update(vs)
+        for m, per in d.get("loss_references", {}).items():
+            refs.setdefault(m, {}).update(per)
+        unscale = d.get("unscale") or unscale
+    assert first is not None
+    out = dict(first, results=res, loss_references=refs, unscale=unscale,
+               merged_from=list(args.merge), ratios=ratios(res, unscale))
+    print_table(out)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / f"{args.machine}-{out['date']}-merged.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = _parser()
     args = ap.parse_args(argv)
+    if args.merge:
+        return _merge(args)
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         ap.error(f"--steps and --rounds must be >= 1 and --warmup >= 0, got {args.steps}, "
                  f"{args.rounds}, {args.warmup}")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
+    models_run = [m for m in args.models.split(",") if m]
+    bad = [m for m in models_run if m not in MODELS]
+    if bad:
+        ap.error(f"--models: unknown {', '.join(bad)}; accepted: {', '.join(MODELS)}")
     if args.device == "cuda":
         # torch 2.11's inductor asserts in loop reordering on the whole-step graph
         # (benchmarks/NOTES.md); fmp applies its own workaround where needed.
         torch.backends.cuda.matmul.allow_tf32 = False
-    args.peak = bf16_peak_tflops(args.device)
+    if args.single:
+        return _single(args, ap)
+    args.peak = args.peak_tflops or bf16_peak_tflops(args.device)
     res: dict[str, dict[str, Any]] = {}
-    variants = {"gpt": args.gpt_variants, "resnet": args.resnet_variants}
-    for m in args.models.split(","):
+    variants = {"gpt": args.gpt_variants, "gpt_medium": args.gpt_medium_variants,
+                "resnet": args.resnet_variants}
+    for m in models_run:
         res[m] = {}
         names = [v for v in variants[m].split(",") if v]
         rounds: dict[str, list[dict[str, Any]]] = {v: [] for v in names}
         for k in range(args.rounds):  # the whole list once per round: A B C, A B C, ...
             for v in names:
-                r = run_variant(m, v, args)
+                if args.isolate and is_compiled(v):
+                    r = run_isolated(m, v, args)
+                else:
+                    r = run_variant(m, v, args)
+                    if is_compiled(v) and "error" not in r:
+                        # dynamo's code may be shared with other variants of this process
+                        # (issue 18); --isolate gives each its own process
+                        r["isolated"] = False
                 rounds[v].append(r)
                 print(f"[{m}] round {k + 1} {v}: " + (r["error"] if "error" in r else
                       f"{r['ms']:.2f} ms  loss {r['loss']:.4f}"), flush=True)
         for v in names:
             res[m][v] = combine_rounds(rounds[v])
+    refs = {} if args.no_loss_check else _loss_references(res, args)
+    check_losses(res, refs, args.loss_rtol)
     unscale = {} if args.no_unscale else bench_unscale(args.device, args.tiny)
     out = {
         "date": _dt.date.today().isoformat(), "machine": args.machine,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
         "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv,
         "bf16_peak_tflops": args.peak, "results": res, "unscale": unscale,
+        "loss_references": refs, "loss_rtol": args.loss_rtol,
         "ratios": ratios(res, unscale),
     }
     print_table(out)
@@ -517,18 +911,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def print_table(out: dict[str, Any]) -> None:
     print(f"\n{out['device']}  torch {out['torch']}  bf16 peak "
           f"{out['bf16_peak_tflops'] or float('nan'):.0f} TFLOP/s")
-    print(f"{'model':<7}{'variant':<24}{'ms':>9}{'thr/s':>11}{'MFU':>7}{'GB':>7}"
-          f"{'syncs':>6}{'loss':>9}")
+    print(f"{'model':<11}{'variant':<24}{'ms':>9}{'thr/s':>11}{'MFU':>7}{'GB':>7}"
+          f"{'syncs':>6}{'loss':>9}{'vs ref':>9}{'build s':>9}")
     for m, vs in out["results"].items():
         for v, r in vs.items():
             if "error" in r:
-                print(f"{m:<7}{v:<24} ERROR {r['error'][:80]}")
+                print(f"{m:<11}{v:<24} ERROR {r['error'][:80]}")
                 continue
             mfu = f"{r['mfu']:.3f}" if r.get("mfu") else "-"
             gb = f"{r['peak_gb']:.1f}" if r.get("peak_gb") else "-"
             sy = str(r["syncs_per_step"]) if r["syncs_per_step"] is not None else "-"
-            print(f"{m:<7}{v:<24}{r['ms']:>9.2f}{r['throughput']:>11.0f}{mfu:>7}{gb:>7}"
-                  f"{sy:>6}{r['loss']:>9.4f}")
+            err = r.get("loss_rel_err")
+            ref = "-" if "invalid" not in r else (
+                "INVALID" if r["invalid"] else f"{err:+.4f}" if err is not None else "-")
+            cs = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-"
+            print(f"{m:<11}{v:<24}{r['ms']:>9.2f}{r['throughput']:>11.0f}{mfu:>7}{gb:>7}"
+                  f"{sy:>6}{r['loss']:>9.4f}{ref:>9}{cs:>9}")
     if out["unscale"]:
         print("unscale+check: " + ", ".join(f"{k}={v:.3f}" for k, v in out["unscale"].items()))
     print("ratios: " + json.dumps(out["ratios"], indent=1))
