@@ -45,6 +45,15 @@ def test_a_variant_in_its_own_process(tmp_path):
     assert r["wall_s"] > 0 and r["state_bytes_per_param"] == pytest.approx(10.0, abs=0.01)
 
 
+def test_a_compile_past_its_time_is_rerun_eagerly(tmp_path):
+    argv = ["--tiny", "--device", "cpu", "--steps", "3", "--warmup", "1"]
+    out = bm.main([*argv, "--variants", "bf16_true_plain", "--compile-timeout-s", "2",
+                   "--json", str(tmp_path / "b.json")])
+    r = out["results"]["bf16_true_plain"]
+    assert "error" not in r, r
+    assert r["compiled"] is False and r["compile_error"] == "compiled: timeout after 2 s"
+
+
 def test_ratios_exact():
     res = {"bf16_mixed": {"loss": 2.0, "state_bytes_per_param": 16.0},
            "bf16_true_kahan": {"loss": 2.02, "state_bytes_per_param": 10.0},
