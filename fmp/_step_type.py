@@ -47,10 +47,13 @@ class TrainStep:
     ``step.run(state, batch, step.scaled_loss, step.update_phase)``.
 
     Attributes:
-        scaled_loss: ``(params, loss_scale, lead, args, kwargs, cast) -> (scaled loss,
-            (loss32, aux))``: the forward with its casts (what the backward differentiates).
-        update_phase: ``(state, batch, grads, loss, aux, model_state) -> (state, metrics)``:
-            unscale, check, update or skip, adjust the loss scale.
+        scaled_loss: ``(params, loss_scale, lead, args, kwargs, cast, float8=None) ->
+            (scaled loss, (loss32, aux))``: the forward with its casts (what the backward
+            differentiates); ``float8`` is ``(records, probes)`` for float8 layers, or None.
+        update_phase: ``(state, batch, grads, loss, aux, model_state, amaxes=None) ->
+            (state, metrics)``: unscale, check, update or skip, adjust the loss scale;
+            ``amaxes`` (the float8 layers' measured amaxes, None without float8 records)
+            join the finite check and update ``state.float8`` on a kept step.
         run: ``(state, batch, scaled_loss, update_phase) -> (state, metrics)``: the whole
             step with the two phases given (compiled ones from :func:`fmp.compile`).
         prepare: ``state -> state`` with the compute copy the step will read (current, or

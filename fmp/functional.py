@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from fmp import _model
+from fmp import _model, _norm_cast
 from fmp.policy import NORM_LAYERS
 
 __all__ = ["functional"]
@@ -89,6 +89,7 @@ def functional(model: torch.nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]
     norm_names = {f"{m}.{n}" if m else n for m, mod in model.named_modules()
                   if isinstance(mod, NORM_LAYERS) for n, _ in mod.named_parameters(recurse=False)}
     _model.register(model)
+    _norm_cast.install(model)  # float32 norms take 16-bit inputs on CUDA too
     cache: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
 
     def frozen_for_step(given: dict[str, Any]) -> dict[str, Any]:
@@ -131,8 +132,12 @@ def functional(model: torch.nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]
                        for n, b in buffers.items()}
         if frozen:
             params = {**frozen_for_step(params), **params}
-        out = functional_call(model, (params, buffers), args, kwargs, tie_weights=True,
-                              strict=False)
+        _norm_cast.depth[0] += 1
+        try:
+            out = functional_call(model, (params, buffers), args, kwargs, tie_weights=True,
+                                  strict=False)
+        finally:
+            _norm_cast.depth[0] -= 1
         return (out, buffers) if return_buffers else out
 
     apply_fn.__doc__ = f"Pure forward of {type(model).__name__} (see fmp.functional)."
