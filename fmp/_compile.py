@@ -12,6 +12,7 @@ import torch
 
 from fmp._donation import prepared_on_host
 from fmp._step_type import TrainStep
+from fmp._train_state import TrainState
 
 
 def _torch_version() -> tuple[int, int]:
@@ -106,6 +107,11 @@ def _whole_step(step: TrainStep, kwargs: dict[str, Any]) -> Callable[..., Any]:
 
     def run(state: Any, *batch: Any) -> Any:
         state = step.private(state)
+        if isinstance(state, TrainState) and state.compute_params is not None:
+            # a step traced whole keeps no compute copy (it casts inside the graph): drop
+            # one the caller holds, so a state with and one without share one trace instead
+            # of recompiling (a recompile inside fmp.cuda_graph's capture cannot run)
+            state = state._replace(compute_params=None)
         with prepared_on_host():
             return whole(state, *batch)
 

@@ -130,3 +130,26 @@ def test_two_graph_donated_step_does_not_recompile():
             if i == 1:
                 assert_trees_bit_equal(s_c.params, before)
             torch.testing.assert_close(s_c.params, s_e.params, rtol=1e-4, atol=1e-5)
+
+
+def test_whole_graph_traces_once_for_states_with_and_without_a_compute_copy():
+    # the eager step hands back a compute copy, the whole-graph trace none: one trace must
+    # serve both (a recompile inside fmp.cuda_graph's capture cannot run)
+    from torch._dynamo.testing import CompileCounter
+
+    x, y = blobs(32)
+    apply_fn, params, _ = fmp.functional(mlp(seed=1))
+    opt = fmp.optim.sgd(0.1)
+    step = fmp.train_step(lambda p, a, b: F.cross_entropy(apply_fn(p, a).float(), b), opt,
+                          "bf16-mixed")
+    state = fmp.TrainState.create(clone_tree(params), opt)
+    with_copy, _ = step(state, x, y)
+    assert with_copy.compute_params is not None
+    counter = CompileCounter()
+    cstep = fmp.compile(step, whole_graph=True, backend=counter)
+    ref, _ = step(with_copy, x, y)
+    out, _ = cstep(with_copy, x, y)
+    assert out.compute_params is None
+    cstep(out, x, y)  # the state without a copy: the same trace
+    assert counter.frame_count == 1
+    assert_trees_bit_equal(out.params, ref.params)

@@ -91,9 +91,15 @@ class Float8LinearScales:
         return int(self.amax_history.shape[-1])
 
     def fp8_maxes(self) -> torch.Tensor:
-        """float32 ``[3]``: the largest finite value of each row's format."""
+        """float32 ``[3]``: the largest finite value of each row's format.
+
+        Built by fills on the record's device, never copied from the host: a host-to-device
+        copy cannot be captured in a CUDA graph.
+        """
         f, b = fp8_max(self.fwd_format), fp8_max(self.bwd_format)
-        return torch.tensor([f, f, b], dtype=torch.float32, device=self.scale.device)
+        s = self.scale
+        return torch.cat([s.new_full((2,), f, dtype=torch.float32),
+                          s.new_full((1,), b, dtype=torch.float32)])
 
     def update(self, amaxes: torch.Tensor) -> Float8LinearScales:
         """The record after one step whose casts saw ``amaxes`` (pure; no host sync).
