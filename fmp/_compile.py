@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -86,13 +88,36 @@ class _LossGraph:
             return self.compiled(*args)
 
 
+_CODES = itertools.count()
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A function that calls ``fn``, with a code object of its own.
+
+    Dynamo keeps its compiled code per code object. The parts of two train steps share
+    theirs (closures of one ``def``; a callable object is compiled through torch's one
+    wrapper), so a second step compiled in the process would recompile the first's entry,
+    mark the shapes that differ dynamic (slower kernels; on torch 2.11 the guard of such a
+    recompile can crash) and count against one cache limit. Automatic dynamic shapes
+    key their memory by the code's file, line and name, so the name is unique too.
+    """
+
+    def call(*args: Any) -> Any:
+        return fn(*args)
+
+    name = f"{getattr(fn, '__name__', type(fn).__name__)}_{next(_CODES)}"
+    code = call.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, call.__globals__, name, call.__defaults__,
+                              call.__closure__)
+
+
 def _split_step(step: TrainStep, kwargs: dict[str, Any], loss_fullgraph: bool | None = None
                 ) -> Callable[..., Any]:
     """A train step as two compiled graphs: the scaled loss (AOTAutograd splits its forward
     and backward; autograd runs the backward) and the update (unscale, check, optimizer,
     select, loss scale)."""
-    loss_c = _LossGraph(step.scaled_loss, kwargs, loss_fullgraph)
-    update_c = torch.compile(step.update_phase, **kwargs)
+    loss_c = _LossGraph(_own_code(step.scaled_loss), kwargs, loss_fullgraph)
+    update_c = torch.compile(_own_code(step.update_phase), **kwargs)
 
     def run(state: Any, *batch: Any) -> Any:
         return step.run(state, batch, loss_c, update_c)
@@ -103,7 +128,7 @@ def _split_step(step: TrainStep, kwargs: dict[str, Any], loss_fullgraph: bool | 
 def _whole_step(step: TrainStep, kwargs: dict[str, Any]) -> Callable[..., Any]:
     """A train step as one compiled graph, after the host-side work a step traced whole
     cannot do (norm policies, copies of tensors a donated step must not write)."""
-    whole = torch.compile(step, **kwargs)
+    whole = torch.compile(_own_code(step), **kwargs)
 
     def run(state: Any, *batch: Any) -> Any:
         state = step.private(state)

@@ -153,3 +153,30 @@ def test_whole_graph_traces_once_for_states_with_and_without_a_compute_copy():
     cstep(out, x, y)  # the state without a copy: the same trace
     assert counter.frame_count == 1
     assert_trees_bit_equal(out.params, ref.params)
+
+
+@pytest.mark.parametrize("whole_graph", [False, True])
+def test_steps_compiled_in_one_process_keep_static_shapes(whole_graph):
+    # two steps of different shapes: the second must not recompile the first's code and
+    # have its shapes marked dynamic (slower kernels; a guard crash on torch 2.11)
+    symbolic = []
+
+    def backend(gm, example_inputs):
+        vals = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        symbolic.append(any(isinstance(d, torch.SymInt) for t in vals
+                            if isinstance(t, torch.Tensor) for d in t.shape))
+        return gm.forward
+
+    for n in (8, 12):
+        net = torch.nn.Sequential(torch.nn.Linear(n, 16), torch.nn.ReLU(),
+                                  torch.nn.Linear(16, 2))
+        apply_fn, params, _ = fmp.functional(net)
+        opt = fmp.optim.sgd(0.1)
+        step = fmp.train_step(lambda p, a, b, f=apply_fn: F.cross_entropy(f(p, a).float(), b),
+                              opt, "bf16-mixed")
+        state = fmp.TrainState.create(params, opt)
+        cstep = fmp.compile(step, whole_graph=whole_graph, backend=backend)
+        x, y = torch.randn(4, n), torch.randint(0, 2, (4,))
+        for _ in range(2):
+            state, _ = cstep(state, x, y)
+    assert symbolic and not any(symbolic)
