@@ -32,6 +32,7 @@ installed, no ``fmp.float8`` yet, no CUDA for the graph) are reported as skipped
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import importlib.util
 import itertools
@@ -54,6 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models
+from memory_peak import live_at_peak
 
 import fmp
 
@@ -216,6 +218,9 @@ def common_args(ap: argparse.ArgumentParser, steps: int, warmup: int) -> None:
                     "are skipped, and a child's timeout is what is left")
     ap.add_argument("--json", default=None, help="result file (default benchmarks/results/)")
     ap.add_argument("--machine", default=os.environ.get("FMP_MACHINE", platform.node()))
+    ap.add_argument("--memory-sites", action="store_true",
+                    help="(CUDA) list what is live at each variant's memory peak, by "
+                    "allocation site (slow: time few steps)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
 
@@ -358,6 +363,17 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     c = gpt_config(args)
     batch = args.batch or (2 if args.tiny else 8)
     lr = args.lr or 3e-4
+    sites = (live_at_peak(top=16) if args.memory_sites and args.device == "cuda"
+             else contextlib.nullcontext({}))
+    with sites as where:
+        r = _build_and_run(variant, args, c, batch, lr)
+    if where:
+        r["memory_sites"] = where
+    return r
+
+
+def _build_and_run(variant: str, args: argparse.Namespace, c: models.GPTConfig, batch: int,
+                   lr: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     with torch.device(args.device):
         model = models.GPT(c)
@@ -378,6 +394,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
               "params": sum(p.numel() for p in model.parameters())})
     if args.device == "cuda":
         r["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        r["between_steps_gb"] = torch.cuda.memory_allocated() / 1e9
     return r
 
 
@@ -506,6 +523,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"[float8] {v}: " + (r["error"] if "error" in r else
               f"{r['ms']:.2f} ms  {r['tokens_per_s']:.0f} tok/s  loss {r['loss']:.4f}  "
               f"wall {r.get('wall_s', 0):.0f} s"), flush=True)
+        ms = r.get("memory_sites") or {}
+        if ms:
+            print(f"  peak {ms['peak_gb']:.2f} GB (allocated in the run); between steps "
+                  f"{r.get('between_steps_gb', 0):.2f} GB; live at the peak:")
+            for site in ms["sites"]:
+                print(f"  {site['gb']:7.3f} GB {site['n']:5d}  {site['where']}")
     out = {**meta(args, argv), "config": {**c.__dict__, "batch": args.batch or
                                           (2 if args.tiny else 8), "steps": args.steps,
                                           "warmup": args.warmup, "lr": args.lr or 3e-4,
