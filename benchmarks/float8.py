@@ -338,7 +338,8 @@ def build_fmp(model: torch.nn.Module, variant: str, args, lr: float,
     if not args.no_compile:
         step_fn = fmp.compile(step_fn)
     extra = {"float8": f8} if f8 is not None else {}
-    holder = {"state": fmp.TrainState.create(params, opt, None, **extra)}
+    # donate=True: the step writes into the module's tensors (no second copy of the params)
+    holder = {"state": fmp.TrainState.create(params, opt, None, donate=True, **extra)}
     if variant.endswith("_graph"):
         if args.device != "cuda":
             raise ValueError(f"{variant}: fmp.cuda_graph needs --device cuda")

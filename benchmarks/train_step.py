@@ -287,8 +287,10 @@ def build_fmp(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
     step_fn = fmp.train_step(loss_fn, opt, policy, donate=donate, has_state=has_state,
                              param_policies=pols, compute_copy="nocopy" not in mode)
     scale = fmp.DynamicLossScale.create() if policy == "fp16-mixed" else None
+    # a donated step is handed the module's tensors (no second copy of params and buffers)
     holder = {"state": fmp.TrainState.create(params, opt, scale,
-                                             model_state=dict(buffers) if has_state else None)}
+                                             model_state=dict(buffers) if has_state else None,
+                                             donate=donate)}
     if "compiled" in mode or "graph" in mode:
         # two graphs (loss fwd/bwd partitioned by AOTAutograd, then the update), or with
         # "_whole" one graph of torch.func.grad; fullgraph=True + known workarounds;

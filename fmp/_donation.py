@@ -39,6 +39,37 @@ def claim(*trees: Any) -> None:
                 _OWNED[k] = weakref.ref(x, lambda r, k=k: _OWNED.get(k) is r and _OWNED.pop(k))
 
 
+def hand_over(tree: Any, what: str = "TrainState") -> None:
+    """Record ``tree``'s tensors as given to fmp by their caller (``TrainState.create(...,
+    donate=True)``): a donated step then writes into them instead of copying them first.
+
+    Raises:
+        ValueError: a tensor is already fmp's (another state or a step's output holds it:
+            two states would write into one tensor), or two leaves share storage (tied or
+            views of one tensor: an in-place update would be applied to it twice).
+    """
+    paths, all_leaves, _ = optree.tree_flatten_with_path(tree)
+    named = [(".".join(map(str, p)) or "<root>", x) for p, x in zip(paths, all_leaves,
+                                                                   strict=True)
+             if isinstance(x, torch.Tensor)]
+    seen: dict[int, str] = {}
+    for name, x in named:
+        if _owned(x):
+            raise ValueError(f"{what} leaf {name!r} is already held by another TrainState "
+                             f"or a step's output; donate=True needs tensors nothing else "
+                             f"of fmp holds (pass a copy, or create without donate)")
+        if x.numel() == 0:
+            continue
+        ptr = x.untyped_storage().data_ptr()
+        if ptr in seen:
+            raise ValueError(f"{what} leaves {seen[ptr]!r} and {name!r} share storage (tied "
+                             f"or views of one tensor), which a donated step would update "
+                             f"twice in place; create the state without donate=True (its "
+                             f"first step then copies them apart)")
+        seen[ptr] = name
+    claim([x for _, x in named])
+
+
 def all_owned(tree: Any) -> bool:
     """Whether fmp handed out every tensor leaf of ``tree`` (:func:`private` is a no-op)."""
     return all(not isinstance(x, torch.Tensor) or _owned(x) for x in optree.tree_leaves(tree))

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fmp._donation import claim
+from fmp._donation import claim, hand_over
 from fmp.float8._convert import check_records
 from fmp.loss_scale import NoOpLossScale
 from fmp.optim import GradientTransformation
@@ -52,7 +52,8 @@ class TrainState(NamedTuple):
 
     @classmethod
     def create(cls, params: Any, optimizer: GradientTransformation, loss_scale: Any = None,
-               model_state: Any = None, float8: Any = None) -> TrainState:
+               model_state: Any = None, float8: Any = None, *,
+               donate: bool = False) -> TrainState:
         """Initialise a state: optimizer state, counters, and the loss scale on the params' device.
 
         Args:
@@ -61,6 +62,13 @@ class TrainState(NamedTuple):
             loss_scale: a loss-scale record; None means :class:`fmp.NoOpLossScale`.
             model_state: buffers to carry (for ``train_step(..., has_state=True)``).
             float8: the float8 records, ``fmp.float8.init(model)``, or None.
+            donate: hand ``params`` and ``model_state`` themselves to a step built with
+                ``donate=True``: it writes its updates into these tensors instead of first
+                copying them, so no second copy of the params is held and the module
+                :func:`fmp.functional` split them from sees every update in place (as with
+                ``torch.optim``). Without it (the default) the first donated step copies
+                them once and the module keeps its values. Only for tensors nothing else
+                reads as the old values.
 
         Returns:
             A :class:`TrainState` with ``step`` 0 (int64) and ``skipped_total`` 0 (int32).
@@ -68,6 +76,8 @@ class TrainState(NamedTuple):
         Raises:
             TypeError: ``optimizer`` is not a GradientTransformation, ``loss_scale`` is
                 not a loss-scale record, or ``float8`` is not a dict of float8 records.
+            ValueError: with ``donate=True``, a tensor is already held by another state
+                or a step's output, or two leaves share storage (tied weights, views).
         """
         if not isinstance(optimizer, GradientTransformation):
             raise TypeError(f"optimizer must be an fmp.optim.GradientTransformation, got "
@@ -84,6 +94,8 @@ class TrainState(NamedTuple):
         device = leaves[0].device if leaves else torch.device("cpu")
         opt_state = optimizer.init(params)
         given = {id(x) for x in optree.tree_leaves(params)}
+        if donate:  # a refusal (ValueError) leaves every tensor as it was
+            hand_over({"params": params, "model_state": model_state})
         claim([x for x in optree.tree_leaves(opt_state) if id(x) not in given])
         return cls(
             params=params,

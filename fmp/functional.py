@@ -60,10 +60,12 @@ def functional(model: torch.nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]
     Returns:
         ``(apply_fn, params, buffers)``: ``params`` (the trainable params) and ``buffers``
         are dicts keyed by the module's names, holding detached tensors that share storage
-        with the module's (no copy is made). The step never writes into them: a step with
-        ``donate=True`` copies them on first use, so the module keeps its own values
-        (load trained ones back with ``model.load_state_dict(state.params,
-        strict=False)``). ``apply_fn.frozen`` holds the frozen params likewise.
+        with the module's (no copy is made). By default the step never writes into them:
+        a step with ``donate=True`` copies them on first use, so the module keeps its own
+        values (load trained ones back with ``model.load_state_dict(state.params,
+        strict=False)``). ``fmp.TrainState.create(params, ..., donate=True)`` hands them
+        to the step instead: no copy is held and the module follows every update in
+        place. ``apply_fn.frozen`` holds the frozen params likewise.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.

@@ -63,7 +63,8 @@ def train_step(
             into: the first donated call copies the others once (params and buffers from
             :func:`fmp.functional`, which share storage with the module, a tree another
             state also holds, a pure step's output), so the module and other states keep
-            their values. With
+            their values; ``TrainState.create(..., donate=True)`` hands params and buffers
+            over instead (no copy: the module follows the updates in place). With
             :func:`fmp.optim.sgd`, :func:`~fmp.optim.adam` or :func:`~fmp.optim.adamw` on
             uniform-dtype trees this runs torch's fused kernel, which unscales, updates and
             skips in one pass.
