@@ -77,16 +77,6 @@ def to_f32(g: Any) -> Any:
     return g.float() if isinstance(g, torch.Tensor) and g.is_floating_point() else g
 
 
-def to_param_dtypes(grads: Any, params: Any) -> Any:
-    """Grads of the compute copy converted to their params' dtypes (the cast's backward)."""
-    def conv(g: Any, p: Any) -> Any:
-        if isinstance(g, torch.Tensor) and isinstance(p, torch.Tensor) and g.dtype != p.dtype:
-            return g.to(p.dtype)
-        return g
-
-    return optree.tree_map(conv, grads, params)
-
-
 def donate_into(old: Any, new: Any) -> Any:
     """Write ``new``'s tensor leaves into ``old``'s tensors in place; return ``old``'s tree.
 

@@ -28,7 +28,6 @@ from fmp._step_trees import (
     split_batch,
     stack_aux,
     to_f32,
-    to_param_dtypes,
 )
 from fmp._step_type import GradReducer, TrainStep
 from fmp._train_state import TrainState
@@ -42,7 +41,7 @@ from fmp.optim import (
     update_in_place,
 )
 from fmp.policy import Policy, get_policy
-from fmp.tree import select_tree
+from fmp.tree import select_tree, to_dtypes_of
 
 __all__ = ["GradReducer", "TrainState", "TrainStep", "value_and_grad"]
 
@@ -165,7 +164,7 @@ def build_train_step(
                 grad_sum, loss_sum = grads, loss
             else:
                 if copy is not None:  # as the cast's backward would have: to param dtypes
-                    grads = to_param_dtypes(grads, state.params)
+                    grads = to_dtypes_of(grads, state.params)
                 g32 = optree.tree_map(to_f32, grads)
                 grad_sum = g32 if grad_sum is None else optree.tree_map(torch.add, grad_sum, g32)
                 loss_sum = loss if loss_sum is None else loss_sum + loss
@@ -179,8 +178,15 @@ def build_train_step(
                      ) -> tuple[TrainState, dict[str, Any]]:
         """Unscale, check, update (or skip), adjust the scale: the rest of the step
         (``amaxes``: the float8 layers', which update ``state.float8`` where finite)."""
+        # grads of the compute copy go to their params' dtypes (the cast's backward): here
+        # where the fused kernel or a reducer takes them; else in the unscale, whose check
+        # reads them unconverted, so that compiled, the conversion fuses into the update
+        like = None
         if state.compute_params is not None and accumulate == 1:
-            grad_sum = to_param_dtypes(grad_sum, state.params)
+            if reduce_grads is not None or (donate and eager_kernels_ok()):
+                grad_sum = to_dtypes_of(grad_sum, state.params)
+            else:
+                like = state.params
         lr_ok = schedule_ok(optimizer, state.opt_state)  # a scheduled lr of inf/NaN/< 0 skips
         # float8 amaxes (None without records) join the finite verdict: with a reducer in
         # its all_finite, so every replica agrees
@@ -212,7 +218,7 @@ def build_train_step(
             if reduce_grads is None:  # eager: the same one-pass unscale where it applies
                 grads, finite = state.loss_scale.unscale_and_check(
                     grad_sum, in_place=eager_kernels_ok(), micro_batches=accumulate,
-                    protect=seen)
+                    protect=seen, like=like)
             else:
                 grads = reduce_grads(state.loss_scale.unscale(grad_sum, micro_batches=accumulate))
                 finite = check(grads)

@@ -126,6 +126,18 @@ def _norms_finite(leaves: list[torch.Tensor], device: torch.device) -> torch.Ten
     return torch.stack(norms).isfinite().all()
 
 
+def to_dtypes_of(tree: T, like: Any) -> T:
+    """``tree`` with each tensor leaf converted to the dtype of ``like``'s matching leaf
+    (grads of a compute copy turned into their params' dtypes, as the cast's backward
+    would); leaves already of that dtype, and non-tensor leaves, are kept."""
+    def conv(g: Any, p: Any) -> Any:
+        if isinstance(g, torch.Tensor) and isinstance(p, torch.Tensor) and g.dtype != p.dtype:
+            return g.to(p.dtype)
+        return g
+
+    return optree.tree_map(conv, tree, like)
+
+
 def select_tree(pred: torch.Tensor, on_true: T, on_false: T) -> T:
     """Leafwise ``torch.where(pred, a, b)`` over two trees of the same structure.
 

@@ -88,3 +88,55 @@ def per_micro_batch(tree: T, micro_batches: int) -> T:
         return g * inv_k
 
     return optree.tree_map(mean, tree)
+
+
+def finite_after_unscale(leaves: list[torch.Tensor], out_dtypes: list[torch.dtype],
+                         scale: torch.Tensor | None) -> torch.Tensor:
+    """Whether :func:`unscale_tree` of ``leaves`` (each first converted to its out dtype)
+    would be all finite, read from ``leaves`` themselves.
+
+    Converting, multiplying by the positive ``1/scale`` and rounding are monotone in
+    ``|x|``, so a leaf's unscaled values are all finite exactly when the unscaled value
+    of its largest ``|x|`` is (NaN propagates through the inf-norm): one multi-tensor
+    inf-norm of the leaves, then that arithmetic on one number per leaf. The verdict is
+    the one :func:`fmp.all_finite` gives on the unscaled tree, without that tree being
+    read: in a compiled step the conversion and the unscale then fuse into their one
+    consumer, the update, instead of being written out for the check. A mean over
+    micro-batches (times ``1/k <= 1``) cannot make a finite value infinite.
+
+    Args:
+        leaves: floating tensors with at least one element, on one device.
+        out_dtypes: the dtype each leaf is converted to before unscaling.
+        scale: the 0-d scale, or None (no scaling: only the conversion).
+
+    Returns:
+        A 0-d bool tensor on the leaves' device.
+    """
+    device = leaves[0].device
+    wide = [i for i, x in enumerate(leaves) if x.dtype == torch.float64]
+    rest = [i for i, x in enumerate(leaves) if x.dtype != torch.float64]
+    norms: list[torch.Tensor | None] = [None] * len(leaves)
+    for idx, kw in ((wide, {}), (rest, {"dtype": torch.float32})):
+        if idx:
+            got = torch._foreach_norm([leaves[i] for i in idx], float("inf"), **kw)
+            for i, n in zip(idx, got, strict=True):
+                norms[i] = n
+    inv = None if scale is None else on(inverse(scale), device)
+    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for i, (x, d) in enumerate(zip(leaves, out_dtypes, strict=True)):
+        groups.setdefault((x.dtype, d), []).append(i)
+    oks = []
+    for (src, dst), idx in groups.items():
+        # the largest |x| of each leaf: exact in float32 (float64 for float64 leaves)
+        m = torch.stack([on(norms[i], device) for i in idx])
+        v = m if src == dst else m.to(dst)  # the conversion (exact where it widens)
+        if inv is not None:
+            if dst.itemsize < _LOW_PRECISION_ITEMSIZE:  # as unscale_tree: in float32
+                v = (v.to(torch.float32) * inv).to(dst)
+            else:
+                v = v * inv
+        oks.append(v.isfinite().all())
+    ok = oks[0]
+    for o in oks[1:]:
+        ok = ok & o
+    return ok

@@ -27,8 +27,13 @@ import optree
 import torch
 
 from fmp.loss_scale._inplace import check_and_unscale_owned_, owned, unscale_and_check_
-from fmp.loss_scale._scaling import inverse, per_micro_batch, unscale_tree
-from fmp.tree import all_finite, floating_leaves
+from fmp.loss_scale._scaling import (
+    finite_after_unscale,
+    inverse,
+    per_micro_batch,
+    unscale_tree,
+)
+from fmp.tree import all_finite, floating_leaves, to_dtypes_of
 
 T = TypeVar("T")
 
@@ -126,12 +131,35 @@ class Unscaling:
                else inverse(divisor))
         return check_and_unscale_owned_(leaves, inv, owned_already=True)
 
+    def _finite(self, grads: Any, like: Any, unscaled: Any) -> torch.Tensor:
+        """:func:`fmp.all_finite` of ``unscaled`` (the pure unscale of ``grads``, converted
+        to ``like``'s dtypes), read from ``grads`` where they are real floating tensors
+        on one device (see :func:`finite_after_unscale`)."""
+        leaves = optree.tree_leaves(grads)
+        dtypes = (None if like is None else
+                  [p.dtype if isinstance(p, torch.Tensor) else None
+                   for p in optree.tree_structure(grads).flatten_up_to(like)])
+        pairs = [(x, x.dtype if dtypes is None or dtypes[i] is None else dtypes[i])
+                 for i, x in enumerate(leaves)
+                 if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        if (not pairs or any(isinstance(x, torch.Tensor) and x.is_complex() for x in leaves)
+                or len({x.device for x, _ in pairs}) != 1):
+            return all_finite(unscaled)  # its own answer (or its error) for these trees
+        pairs = [(x, d) for x, d in pairs if x.numel() != 0]
+        if not pairs:
+            return torch.ones((), dtype=torch.bool, device=leaves[0].device)
+        return finite_after_unscale([x for x, _ in pairs], [d for _, d in pairs],
+                                    self._scale_or_none())
+
     def unscale_and_check(self, grads: T, *, in_place: bool = False, micro_batches: int = 1,
-                          protect: Any = None) -> tuple[T, torch.Tensor]:
+                          protect: Any = None, like: Any = None) -> tuple[T, torch.Tensor]:
         """Unscale the (summed) grads and say whether they are all finite.
 
-        ``in_place=False`` is the pure path: :meth:`unscale` then :func:`fmp.all_finite`
-        (nothing is written; traceable by ``torch.compile(fullgraph=True)``).
+        ``in_place=False`` is the pure path: :meth:`unscale`, and the verdict
+        :func:`fmp.all_finite` gives on its result, read from the given grads (their
+        largest magnitudes, unscaled: exactly that verdict) so that a compiled step need
+        not write the unscaled grads out for the check (nothing is written; traceable by
+        ``torch.compile(fullgraph=True)``).
 
         ``in_place=True``: the caller hands the grads over (fresh from autograd, or its own
         accumulation sum) and the unscaled values may be written into them: one pass of
@@ -152,6 +180,9 @@ class Unscaling:
                 (their mean is returned), an int >= 1.
             protect: a pytree of the caller's tensors (params, batch, state) that no grad
                 may be written through (only with ``in_place``).
+            like: a tree of the grads' structure (the params) whose tensor leaves' dtypes
+                the grads are converted to before unscaling (grads of a compute copy
+                turned into their params' dtypes); None: no conversion.
 
         Returns:
             ``(unscaled grads, finite)``: a tree of the same structure and dtypes (with
@@ -171,13 +202,14 @@ class Unscaling:
             (True, [2.0, 0.5], True)
         """
         k = _micro_batches(micro_batches)
+        conv = grads if like is None else to_dtypes_of(grads, like)
         if in_place:
-            tree, leaves = _own(grads, protect)
+            tree, leaves = _own(conv, protect)
             finite = self._one_pass(tree, leaves, k)
             if finite is not None:
                 return tree, finite
-        out = self.unscale(grads, micro_batches=k)
-        return out, all_finite(out)
+        out = self.unscale(conv, micro_batches=k)
+        return out, self._finite(grads, like, out)
 
     def unscale_for_fused(self, grads: T, *, micro_batches: int = 1, protect: Any = None,
                           check: Callable[[Any], torch.Tensor] | None = None,
