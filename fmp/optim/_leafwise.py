@@ -36,10 +36,14 @@ def _flatten_params(fn: str, params: Any) -> tuple[list[torch.Tensor], Any]:
 
 def _flatten_like(tree: Any, spec: Any, what: str, like: str) -> list[Any]:
     """The leaves of ``tree``, which must have the structure ``spec``."""
-    leaves, tspec = optree.tree_flatten(tree)
     # Under torch.compile the check is skipped: dynamo of torch 2.11 cannot trace
-    # PyTreeSpec.__eq__. A mismatch in the leaf count still fails in the foreach ops.
-    if not torch.compiler.is_compiling() and tspec != spec:
+    # PyTreeSpec.__eq__. A mismatch in the leaf count still fails in the foreach ops. The
+    # leaves alone (the same order) then trace in half a flatten's time: dynamo's polyfill
+    # of tree_flatten builds a spec object for every node, tree_leaves none.
+    if torch.compiler.is_compiling():
+        return optree.tree_leaves(tree)
+    leaves, tspec = optree.tree_flatten(tree)
+    if tspec != spec:
         raise ValueError(
             f"{what} must have the structure of the {like}: {like} is {spec}, {what} is {tspec}"
         )
