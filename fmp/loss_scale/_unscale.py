@@ -135,13 +135,19 @@ class Unscaling:
         """:func:`fmp.all_finite` of ``unscaled`` (the pure unscale of ``grads``, converted
         to ``like``'s dtypes), read from ``grads`` where they are real floating tensors
         on one device (see :func:`finite_after_unscale`)."""
-        leaves = optree.tree_leaves(grads)
-        dtypes = (None if like is None else
-                  [p.dtype if isinstance(p, torch.Tensor) else None
-                   for p in optree.tree_structure(grads).flatten_up_to(like)])
-        pairs = [(x, x.dtype if dtypes is None or dtypes[i] is None else dtypes[i])
-                 for i, x in enumerate(leaves)
-                 if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        leaves: list[Any] = []
+        pairs: list[tuple[torch.Tensor, torch.dtype]] = []
+
+        def pair(x: Any, p: Any = None) -> Any:  # a tree_map: cheap for dynamo to trace
+            leaves.append(x)
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                pairs.append((x, p.dtype if isinstance(p, torch.Tensor) else x.dtype))
+            return x
+
+        if like is None:
+            optree.tree_map(pair, grads)
+        else:
+            optree.tree_map(pair, grads, like)
         if (not pairs or any(isinstance(x, torch.Tensor) and x.is_complex() for x in leaves)
                 or len({x.device for x, _ in pairs}) != 1):
             return all_finite(unscaled)  # its own answer (or its error) for these trees
