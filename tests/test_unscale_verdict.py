@@ -94,3 +94,6 @@ def test_trees_the_read_cannot_take_get_all_finite_itself():
         ls.unscale_and_check({"w": torch.ones(2, dtype=torch.complex64)})
     out, ok = ls.unscale_and_check({"n": 3, "e": torch.ones(0)})
     assert bool(ok) and out["n"] == 3
+    # a non-tensor leaf first in the tree's order, then only empty tensors
+    out, ok = ls.unscale_and_check({"a": 3, "e": torch.ones(0)})
+    assert bool(ok) and ok.dtype == torch.bool and out["a"] == 3

@@ -151,9 +151,10 @@ class Unscaling:
         if (not pairs or any(isinstance(x, torch.Tensor) and x.is_complex() for x in leaves)
                 or len({x.device for x, _ in pairs}) != 1):
             return all_finite(unscaled)  # its own answer (or its error) for these trees
+        device = pairs[0][0].device
         pairs = [(x, d) for x, d in pairs if x.numel() != 0]
-        if not pairs:
-            return torch.ones((), dtype=torch.bool, device=leaves[0].device)
+        if not pairs:  # only empty leaves: nothing to check, as all_finite says
+            return torch.ones((), dtype=torch.bool, device=device)
         return finite_after_unscale([x for x, _ in pairs], [d for _, d in pairs],
                                     self._scale_or_none())
 
