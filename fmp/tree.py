@@ -106,24 +106,29 @@ def all_finite(tree: Any) -> torch.Tensor:
         leaves = [x for x in leaves if x.numel() != 0]
         if not leaves:
             return torch.ones((), dtype=torch.bool, device=device)
-    wide = [x for x in leaves if x.dtype == torch.float64]
-    if wide:  # the float32 accumulation of _foreach_norm refuses to narrow float64
-        leaves = [x for x in leaves if x.dtype != torch.float64]
-        ok = torch.stack([_on(n, device) for n in torch._foreach_norm(wide, float("inf"))]
-                         ).isfinite().all()
-        return ok if not leaves else ok & _norms_finite(leaves, device)
-    return _norms_finite(leaves, device)
+    return torch.stack([_on(n, device) for n in inf_norms(leaves)]).isfinite().all()
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device)
 
 
-def _norms_finite(leaves: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    norms = torch._foreach_norm(leaves, float("inf"), dtype=torch.float32)
-    if any(n.device != device for n in norms):
-        norms = [n.to(device) for n in norms]
-    return torch.stack(norms).isfinite().all()
+def inf_norms(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each leaf's largest ``|x|`` (NaN where it holds a NaN), in the leaves' order, from
+    one multi-tensor ``torch._foreach_norm`` per width: float64 leaves in float64, the
+    others in float32 (exact for narrower dtypes; _foreach_norm's float32 accumulation
+    refuses to narrow float64, and a finite float64 value beyond float32's range must stay
+    finite). The leaves are floating tensors with at least one element.
+    """
+    out: list[torch.Tensor | None] = [None] * len(leaves)
+    wide = [i for i, x in enumerate(leaves) if x.dtype == torch.float64]
+    rest = [i for i, x in enumerate(leaves) if x.dtype != torch.float64]
+    for idx, kw in ((wide, {}), (rest, {"dtype": torch.float32})):
+        if idx:
+            got = torch._foreach_norm([leaves[i] for i in idx], float("inf"), **kw)
+            for i, n in zip(idx, got, strict=True):
+                out[i] = n
+    return out  # type: ignore[return-value]
 
 
 def to_dtypes_of(tree: T, like: Any) -> T:

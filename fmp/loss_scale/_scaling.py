@@ -7,6 +7,8 @@ from typing import Any, TypeVar
 import optree
 import torch
 
+from fmp.tree import inf_norms
+
 T = TypeVar("T")
 
 _LOW_PRECISION_ITEMSIZE = 4  # floating dtypes narrower than float32 are computed in float32
@@ -113,14 +115,7 @@ def finite_after_unscale(leaves: list[torch.Tensor], out_dtypes: list[torch.dtyp
         A 0-d bool tensor on the leaves' device.
     """
     device = leaves[0].device
-    wide = [i for i, x in enumerate(leaves) if x.dtype == torch.float64]
-    rest = [i for i, x in enumerate(leaves) if x.dtype != torch.float64]
-    norms: list[torch.Tensor | None] = [None] * len(leaves)
-    for idx, kw in ((wide, {}), (rest, {"dtype": torch.float32})):
-        if idx:
-            got = torch._foreach_norm([leaves[i] for i in idx], float("inf"), **kw)
-            for i, n in zip(idx, got, strict=True):
-                norms[i] = n
+    norms = inf_norms(leaves)
     inv = None if scale is None else on(inverse(scale), device)
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i, (x, d) in enumerate(zip(leaves, out_dtypes, strict=True)):
