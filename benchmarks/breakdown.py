@@ -122,7 +122,7 @@ def summarize(kernels: list[tuple[str, float, float]], steps: int,
         ms[bucket_of(name)] += d
         per_name[name] = per_name.get(name, 0.0) + d
     busy = _union_us([(a, b) for _, a, b in kernels]) / 1e3 / steps
-    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:15]
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:30]
     return {"ms": ms, "kernels_per_step": len(kernels) / steps, "busy_ms": busy,
             "step_ms": step_ms, "idle_ms": None if step_ms is None else max(step_ms - busy, 0.0),
             "top": [{"name": k[:160], "bucket": bucket_of(k), "ms": v} for k, v in top]}

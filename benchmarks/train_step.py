@@ -278,7 +278,10 @@ def build_fmp(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
             out, new_ms = apply_fn(p, a, buffers=ms, return_buffers=True)
             return loss_of(out, b), new_ms
     else:
-        pols = None
+        # "_halfnorm": norm layers compute in the 16-bit dtype too (float32 masters kept),
+        # as Apex O2 runs LayerNorm; the default keeps them in float32 like torch.autocast
+        pols = (fmp.module_policies(model, policy, keep_norms_fp32=False)
+                if "halfnorm" in mode else None)
 
         def loss_fn(p, a, b):
             return loss_of(apply_fn(p, a), b)
@@ -463,7 +466,8 @@ GPT_VARIANTS = ["fp32", "amp_fp16_eager", "amp_bf16_eager", "fmp_fp16_eager",
 # same with _combo (inductor's combo_kernels, which fmp.compile turns on for its steps),
 # fmp_fp16_compiled_whole, fmp_fp16_graph_whole (fmp.compile(..., whole_graph=True)),
 # fmp_fp16_compiled_ro (fmp.compile(..., mode="reduce-overhead")), and any fmp variant
-# with _nocopy (train_step(compute_copy=False): cast the params every step)
+# with _nocopy (train_step(compute_copy=False): cast the params every step) or _halfnorm
+# (GPT: LayerNorms compute in 16 bits from their float32 masters, as under Apex O2)
 RESNET_VARIANTS = ["fp32", "amp_fp16_eager", "amp_bf16_eager", "apex_o1", "apex_o2",
                    "fmp_fp16_eager", "fmp_fp16_eager_donate"]
 # GPT-2 medium (issue 18): fmp's graphed step and torch.amp's strongest steps, both dtypes
@@ -735,6 +739,10 @@ def ratios(res: dict[str, dict[str, Any]], unscale: dict[str, float]) -> dict[st
     if best_fmp_e:
         out["fmp_eager_vs_torch_amp_eager"] = ratio("gpt", best_fmp_e, "amp_fp16_eager")
         out["fmp_eager_variant"] = best_fmp_e
+    if thr("gpt", "fmp_fp16_eager_donate_halfnorm"):
+        # LayerNorms in 16 bits (Apex O2's numerics), which torch.autocast does not offer
+        out["fmp_eager_halfnorm_vs_torch_amp_eager"] = ratio(
+            "gpt", "fmp_fp16_eager_donate_halfnorm", "amp_fp16_eager")
     best_fmp_er = best("resnet", eager)
     if best_fmp_er:
         out["fmp_eager_vs_torch_amp_eager_resnet50"] = ratio("resnet", best_fmp_er,

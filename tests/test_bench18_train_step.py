@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import train_step
@@ -165,3 +166,34 @@ def test_reference_losses_are_the_eager_steps_trajectory():
     b = train_step.reference_losses("gpt", "bf16", 2, args)
     assert len(a) == 3 and a[:2] == b  # same seed, same data: the same numbers
     assert a[2] < a[0]  # it trains
+
+
+def test_halfnorm_variant_is_reported_beside_the_default_eager_ratio():
+    res = {"gpt": {"amp_fp16_eager": _r(50.0), "fmp_fp16_eager_donate": _r(52.0),
+                   "fmp_fp16_eager_donate_halfnorm": _r(45.0)}}
+    r = train_step.ratios(res, {})
+    # the default ratio keeps the float32 norms (torch.autocast's numerics)
+    assert r["fmp_eager_vs_torch_amp_eager"] == pytest.approx(50.0 / 52.0)
+    assert r["fmp_eager_variant"] == "fmp_fp16_eager_donate"
+    assert r["fmp_eager_halfnorm_vs_torch_amp_eager"] == pytest.approx(50.0 / 45.0)
+
+
+def test_halfnorm_variant_trains_with_16_bit_layernorms(monkeypatch):
+    seen = []
+    orig = torch.nn.functional.layer_norm
+
+    def spy(x, shape, weight=None, *a, **k):
+        seen.append((x.dtype, None if weight is None else weight.dtype))
+        return orig(x, shape, weight, *a, **k)
+
+    monkeypatch.setattr(torch.nn.functional, "layer_norm", spy)
+    losses = {}
+    for v in ("fmp_fp16_eager_donate", "fmp_fp16_eager_donate_halfnorm"):
+        seen.clear()
+        step, _ = train_step.build("gpt", v, "cpu", True)
+        losses[v] = float(step())
+        losses[v + ":ln"] = set(seen)
+    assert losses["fmp_fp16_eager_donate:ln"] == {(torch.float32, torch.float32)}
+    assert losses["fmp_fp16_eager_donate_halfnorm:ln"] == {(torch.float16, torch.float16)}
+    assert losses["fmp_fp16_eager_donate_halfnorm"] == pytest.approx(
+        losses["fmp_fp16_eager_donate"], rel=1e-2)
