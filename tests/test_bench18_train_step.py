@@ -25,14 +25,16 @@ def test_peer_falls_back_to_eager_on_cpu_and_matches_the_eager_step(tmp_path):
     gpt = out["results"]["gpt"]
     for v in ("amp_graph_fp16", "amp_graph_bf16"):
         assert gpt[v]["graphed"] is False  # CPU: the step body, not compiled, not captured
-        assert gpt[v]["train_steps"] == 3 and gpt[v]["invalid"] is False
+        # 1 warm-up, 2 steps timed one by one, the same 2 again back to back
+        assert gpt[v]["train_steps"] == 5 and gpt[v]["invalid"] is False
+        assert gpt[v]["ms_window"] > 0
         assert gpt[v]["loss_ref_variant"] == f"amp_{v[-4:]}_eager"
     # same GradScaler, same optimizer maths: the fp16 peer's loss is the eager step's
     assert gpt["amp_graph_fp16"]["loss"] == pytest.approx(gpt["amp_fp16_eager"]["loss"],
                                                           rel=1e-5)
     assert gpt["amp_graph_fp16"]["loss_scale"] == gpt["amp_fp16_eager"]["loss_scale"]
     refs = out["loss_references"]["gpt"]
-    assert sorted(refs) == ["bf16", "fp16"] and len(refs["fp16"]) == 3
+    assert sorted(refs) == ["bf16", "fp16"] and len(refs["fp16"]) == 5
 
 
 def test_isolate_runs_a_compiled_variant_in_its_own_process(tmp_path):
@@ -72,8 +74,9 @@ def test_ratios_on_a_synthetic_run():
             "amp_graph_bf16": _r(35.0, peak=9.0, compile_s=30.0),
             "fmp_bf16_graph": _r(28.0, peak=9.9, compile_s=90.0, mfu=0.64),
         },
-        "resnet": {"amp_fp16_eager": _r(44.0), "fmp_fp16_eager": _r(55.0),
-                   "fmp_fp16_eager_donate": _r(48.0)},
+        "resnet": {"amp_fp16_eager": _r(44.0, ms_window=43.0),
+                   "fmp_fp16_eager": _r(55.0, ms_window=50.0),
+                   "fmp_fp16_eager_donate": _r(48.0, ms_window=42.0)},
         "gpt_medium": {"amp_bf16_eager": _r(100.0, peak=30.0),
                        "amp_graph_bf16": _r(80.0, peak=20.0),
                        "fmp_bf16_graph": _r(64.0, peak=16.0)},
@@ -86,6 +89,9 @@ def test_ratios_on_a_synthetic_run():
     assert r["fmp_eager_vs_torch_amp_eager"] == pytest.approx(50.0 / 40.0)
     assert r["fmp_eager_vs_torch_amp_eager_resnet50"] == pytest.approx(44.0 / 48.0)
     assert r["fmp_eager_variant_resnet50"] == "fmp_fp16_eager_donate"
+    # back-to-back windows: the faster fmp window against the peer's
+    assert r["fmp_eager_vs_torch_amp_eager_resnet50_window"] == pytest.approx(43.0 / 42.0)
+    assert "fmp_eager_vs_torch_amp_eager_window" not in r  # no GPT windows given
     assert r["fmp_best_variant"] == "fmp_bf16_graph"
     assert r["fmp_mfu_vs_measured_matmul_peak"] == 0.64
     # the best fmp graph is bf16, so its compile time is set against the bf16 peer's
@@ -98,6 +104,21 @@ def test_ratios_on_a_synthetic_run():
     assert r["gpt_medium_fmp_graph_peak_mem_vs_torch_amp_best_bf16"] == pytest.approx(0.8)
     assert "gpt_medium_fmp_graph_vs_torch_amp_best_fp16" not in r
     assert r["fmp_host_syncs_per_step"] == 0
+
+
+def test_time_steps_window_runs_the_steps_again_back_to_back():
+    calls = []
+
+    def step():
+        calls.append(1)
+        return torch.tensor(float(len(calls)))
+
+    window: list[float] = []
+    ms, loss = train_step.time_steps(step, "cpu", warmup=2, steps=3, window=window)
+    assert len(ms) == 3 and len(window) == 1 and window[0] >= 0
+    assert len(calls) == 2 + 3 + 3 and loss == 8.0  # the loss after the last step run
+    ms, loss = train_step.time_steps(step, "cpu", warmup=0, steps=2)
+    assert len(calls) == 10 and loss == 10.0  # no window asked: no extra steps
 
 
 def test_invalid_variants_are_marked_and_left_out_of_the_ratios():
