@@ -25,10 +25,20 @@ def _torch_version() -> tuple[int, int]:
 def inductor_workarounds() -> dict[str, Any]:
     """Inductor settings fmp applies when it compiles a step on this torch version.
 
-    torch 2.11's inductor raised an ``AssertionError`` in loop reordering on the whole
-    GPT-2 train step on an H200 (benchmarks/NOTES.md); with that pass off the step compiles
-    and runs at the same speed. It is turned off for torch older than 2.13, where the step
-    was not seen to need it; 2.13 and newer get no change.
+    torch 2.11's inductor (CUDA) raises ``AssertionError`` in
+    ``ForeachKernelSchedulerNode.reorder_loops_by_dep_pair`` when one graph mixes
+    ``torch._foreach_*`` ops with per-tensor reductions over tensors of different shapes
+    (pytorch/pytorch#176591, fixed upstream by #176849): a train step's update does exactly
+    that (the foreach update beside each grad's inf-norm for the overflow verdict). With
+    the ``loop_ordering_after_fusion`` pass off the step compiles and runs at the same
+    speed. It is turned off for torch older than 2.13; 2.13 and newer get no change.
+
+    :func:`fmp.compile` applies these around every compile. A plain
+    ``torch.compile(step)`` on torch 2.11 needs them too, around its first call (where
+    inductor compiles)::
+
+        with torch._inductor.config.patch(fmp.inductor_workarounds()):
+            state, metrics = compiled(state, *batch)
 
     Returns:
         A dict of ``torch._inductor.config`` names and values (empty when none apply).
