@@ -74,38 +74,31 @@ def time_steps(step: Step, device: str, warmup: int, steps: int,
     the first timed step (the variant's build-to-first-timed-step wall time ends there).
     """
     loss = None
+
+    def run(n: int) -> float:
+        """Milliseconds for ``n`` steps: device events on CUDA, waited for once."""
+        nonlocal loss
+        if device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(n):
+                loss = step()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            loss = step()
+        return (time.perf_counter() - t0) * 1e3
+
     for _ in range(warmup):
         loss = step()
     _sync(device)
     if on_warm is not None:
         on_warm()
-    times = []
-    for _ in range(steps):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            loss = step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            loss = step()
-            times.append((time.perf_counter() - t0) * 1e3)
+    times = [run(1) for _ in range(steps)]
     if window is not None and steps:
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(steps):
-                loss = step()
-            b.record()
-            b.synchronize()
-            window.append(a.elapsed_time(b) / steps)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                loss = step()
-            window.append((time.perf_counter() - t0) * 1e3 / steps)
+        window.append(run(steps) / steps)
     return times, float(loss)
 
 
