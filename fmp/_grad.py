@@ -67,5 +67,7 @@ def _autograd_grad(f: Callable[[Any], tuple[torch.Tensor, Any]], params: Any
         out, aux = f(optree.tree_unflatten(spec, alias))
         grads = torch.autograd.grad(out, alias, allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)]
-    aux = optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+    # a tensor that does not require grad has no graph to cut (model state: hundreds)
+    aux = optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor)
+                          and x.requires_grad else x, aux)
     return optree.tree_unflatten(spec, grads), aux

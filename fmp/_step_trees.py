@@ -9,6 +9,7 @@ from typing import Any
 import optree
 import torch
 
+from fmp._batched import eager, select_copy
 from fmp._donation import all_owned, private
 from fmp._train_state import TrainState
 from fmp.policy import Policy
@@ -126,15 +127,19 @@ def select_into(pred: torch.Tensor, new: Any, old: Any) -> Any:
     new_leaves, new_spec = optree.tree_flatten(new)
     ok = (isinstance(pred, torch.Tensor) and pred.dtype == torch.bool and pred.dim() == 0
           and new_spec == spec)
-    dst, src = [], []
     for a, b in zip(new_leaves, old_leaves, strict=True) if ok else ():
         if not (type(a) is torch.Tensor and type(b) is torch.Tensor and a.shape == b.shape):
             ok = False  # select_tree's rules (and errors) for anything else
             break
-        dst.append(b)
-        src.append(torch.where(pred, a, b.to(a.dtype) if b.dtype != a.dtype else b))
     if not ok:
         return donate_into(old, select_tree(pred, new, old))
+    if eager():  # small leaves of one dtype: one where for all (fmp/_batched.py)
+        select_copy(pred, new_leaves, old_leaves)
+        return old
+    dst, src = [], []
+    for a, b in zip(new_leaves, old_leaves, strict=True):
+        dst.append(b)
+        src.append(torch.where(pred, a, b.to(a.dtype) if b.dtype != a.dtype else b))
     if dst:
         torch._foreach_copy_(dst, src)
     return old

@@ -9,11 +9,23 @@ import torch
 from torch.func import functional_call
 
 from fmp import _model, _norm_cast
+from fmp._batched import clone_all, eager
 from fmp.policy import NORM_LAYERS
 
 __all__ = ["functional"]
 
 ApplyFn = Callable[..., Any]
+
+
+def _copies(buffers: dict[str, Any]) -> dict[str, Any]:
+    """The buffers' copies the forward may update (what ``return_buffers=True`` returns):
+    in eager mode one ``_foreach_copy_`` per dtype instead of a clone per buffer."""
+    if not eager():
+        return {n: (b.clone() if isinstance(b, torch.Tensor) else b) for n, b in buffers.items()}
+    plain = [n for n, b in buffers.items() if type(b) is torch.Tensor and not b.requires_grad]
+    out = dict(zip(plain, clone_all([buffers[n] for n in plain]), strict=True))
+    return {n: out[n] if n in out else (b.clone() if isinstance(b, torch.Tensor) else b)
+            for n, b in buffers.items()}
 
 
 def _updating_buffers(model: torch.nn.Module) -> list[str]:
@@ -130,8 +142,7 @@ def functional(model: torch.nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]
         if buffers is None:
             buffers = {n: b for n, b in model.named_buffers()}
         if return_buffers:
-            buffers = {n: (b.clone() if isinstance(b, torch.Tensor) else b)
-                       for n, b in buffers.items()}
+            buffers = _copies(buffers)
         if frozen:
             params = {**frozen_for_step(params), **params}
         _norm_cast.depth[0] += 1
