@@ -5,6 +5,7 @@
 #   bash benchmarks/device_owed.sh eager   # eager rows incl. _halfnorm (3 rounds), the ResNet-50
 #                                          # kernel breakdown amp vs fmp, float8 memory sites
 #   bash benchmarks/device_owed.sh compiled eager-rows breakdown f8mem   # parts, in one call
+#   (batched: the CUDA tests of the grouped buffer clone and select, fmp/_batched.py)
 # (tests = compiled + bisect + cuda; eager = eager-rows + breakdown + f8mem)
 # carry [".whl", "out"] (optree, torchao wheels; see the device README's Notes). Logs and JSON in $OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -42,13 +43,16 @@ timeout $((575 - SECONDS)) python3 -m pytest $P -m cuda tests/ --durations=12 --
 eager-rows)
 timeout 200 python3 benchmarks/train_step.py --models gpt,resnet --gpt-variants amp_fp16_eager,fmp_fp16_eager_donate,fmp_fp16_eager_donate_halfnorm,apex_o2 --resnet-variants amp_fp16_eager,fmp_fp16_eager_donate,apex_o2 --steps 20 --rounds 3 --no-unscale --out $OUT/eager --machine dev 2>&1 | grep -v DEBUG | tail -25
 ;;
+batched)
+timeout 90 python3 -m pytest $P -m cuda tests/test_batched_small.py tests/test_step_buffers.py tests/test_cuda.py -k "batch or buffer or bn or skip" 2>&1 | tail -6
+;;
 breakdown)
 timeout 150 python3 benchmarks/breakdown.py --variants resnet:amp_fp16_eager,resnet:fmp_fp16_eager_donate --variant-timeout 70 --out $OUT/breakdown_resnet.json 2>&1 | grep -v DEBUG | tail -25
 ;;
 f8mem)
 (cd benchmarks && timeout $((590 - SECONDS)) python3 float8.py --steps 4 --warmup 2 --variants amp_bf16,fmp_bf16 --memory-sites --budget-s $((560 - SECONDS)) --json $OUT/f8mem.json 2>&1 | grep -v DEBUG | tail -30)
 ;;
-*) echo "usage: $0 tests|eager|compiled|bisect|cuda|eager-rows|breakdown|f8mem ..."; exit 2 ;;
+*) echo "usage: $0 tests|eager|compiled|bisect|cuda|batched|eager-rows|breakdown|f8mem ..."; exit 2 ;;
 esac
 done
 exit $rc
