@@ -113,19 +113,25 @@ def summarize(kernels: list[tuple[str, float, float]], steps: int,
 
     Returns:
         ``{"ms": {bucket: ms per step}, "kernels_per_step", "busy_ms", "idle_ms",
-        "step_ms", "top": [...]}``.
+        "step_ms", "top": [...], "most_launched": [...]}``: ``top`` the 30 kernels of most
+        time, ``most_launched`` the 30 launched most often (launches per step each), where
+        a step's extra small kernels, and so its idle gaps, show.
     """
     ms = dict.fromkeys(BUCKETS, 0.0)
     per_name: dict[str, float] = {}
+    launches: dict[str, int] = {}
     for name, a, b in kernels:
         d = (b - a) / 1e3 / steps
         ms[bucket_of(name)] += d
         per_name[name] = per_name.get(name, 0.0) + d
+        launches[name] = launches.get(name, 0) + 1
     busy = _union_us([(a, b) for _, a, b in kernels]) / 1e3 / steps
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:30]
     return {"ms": ms, "kernels_per_step": len(kernels) / steps, "busy_ms": busy,
             "step_ms": step_ms, "idle_ms": None if step_ms is None else max(step_ms - busy, 0.0),
-            "top": [{"name": k[:160], "bucket": bucket_of(k), "ms": v} for k, v in top]}
+            "top": [{"name": k[:160], "bucket": bucket_of(k), "ms": v} for k, v in top],
+            "most_launched": [{"name": k[:160], "per_step": n / steps, "ms": per_name[k]}
+                              for k, n in sorted(launches.items(), key=lambda kv: -kv[1])[:30]]}
 
 
 def profile_variant(model: str, variant: str, device: str, tiny: bool, steps: int,

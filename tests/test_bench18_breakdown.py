@@ -60,6 +60,9 @@ def test_summarize_sums_buckets_and_takes_idle_from_the_busy_union():
     assert s["idle_ms"] == pytest.approx(3.0 - 1.5)
     assert s["kernels_per_step"] == 2.0
     assert s["top"][0] == {"name": "sm90_gemm", "bucket": "matmuls", "ms": pytest.approx(1.0)}
+    assert s["most_launched"][0] == {"name": "sm90_gemm", "per_step": 1.0,
+                                     "ms": pytest.approx(1.0)}
+    assert [k["per_step"] for k in s["most_launched"]] == [1.0, 0.5, 0.5]
     assert breakdown.summarize(us, 2, None)["idle_ms"] is None
 
 
