@@ -20,7 +20,7 @@ from fmp.loss_scale import (
 from fmp.policy import NORM_LAYERS, PRESETS, Policy, cast_params, get_policy, module_policies
 from fmp.step import TrainState, value_and_grad
 from fmp.train import train_step
-from fmp.tree import all_finite, cast_tree, floating_leaves, select_tree
+from fmp.tree import all_finite, cast_tree, copy_tree_, floating_leaves, select_tree
 
 checkpoint.register_safe_globals()
 
@@ -45,6 +45,7 @@ __all__ = [
     "cast_tree",
     "checkpoint",
     "compile",
+    "copy_tree_",
     "cuda_graph",
     "distributed",
     "dtype",

@@ -7,6 +7,8 @@ way, some 320 launches of a few hundred bytes each, enough to leave the GPU wait
 the host. Grouped by device and dtype, the clone is one ``_foreach_copy_`` into fresh
 tensors, and the select is one ``where`` over the group's flat concatenation copied back
 with one ``_foreach_copy_``: the same values, bit for bit, in a handful of launches.
+:func:`foreach_copy_` is the multi-tensor copy the whole step uses: torch's copies a list
+that mixes dtypes one tensor at a time.
 
 Only eager mode takes these paths: under ``torch.compile`` the per-tensor forms fuse.
 """
@@ -34,6 +36,29 @@ def eager() -> bool:
             and torch._C._functorch.peek_interpreter_stack() is None)
 
 
+def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``torch._foreach_copy_(dst, src)`` a (device, dtypes) group at a time.
+
+    torch's multi-tensor copy takes its fast path (a few kernels for a whole list) only
+    where every tensor of the list has one dtype; one list that mixes them (float32 running
+    means with int64 counts, float16 weights with float32 norm params) is copied tensor by
+    tensor, a ``cudaMemcpy`` each: 159 for ResNet-50's buffers (H100 profile, torch 2.11).
+
+    Example:
+        >>> d = [torch.zeros(2), torch.zeros((), dtype=torch.int64)]
+        >>> foreach_copy_(d, [torch.ones(2), torch.tensor(3)])
+        >>> d
+        [tensor([1., 1.]), tensor(3)]
+    """
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype], tuple[list, list]] = {}
+    for d, s in zip(dst, src, strict=True):
+        g = groups.setdefault((d.device, d.dtype, s.dtype), ([], []))
+        g[0].append(d)
+        g[1].append(s)
+    for d, s in groups.values():
+        torch._foreach_copy_(d, s)
+
+
 def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of ``tensors`` (each its own storage, strides and dtype kept), made by one
     ``_foreach_copy_`` per device and dtype instead of one clone each.
@@ -46,7 +71,7 @@ def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     out = [torch.empty_like(t, memory_format=torch.preserve_format) for t in tensors]
     if out:
         with torch.no_grad():
-            torch._foreach_copy_(out, list(tensors))
+            foreach_copy_(out, tensors)
     return out
 
 
@@ -92,8 +117,7 @@ def select_copy(pred: torch.Tensor, new: Sequence[torch.Tensor],
         parts = flat.split([old[i].numel() for i in idx])
         src.extend(part if old[i].dim() == 1 else part.view(old[i].shape)
                    for i, part in zip(idx, parts, strict=True))
-    if dst:
-        torch._foreach_copy_(dst, src)
+    foreach_copy_(dst, src)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from typing import Any
 import optree
 import torch
 
-from fmp._batched import eager, select_copy
+from fmp._batched import eager, foreach_copy_, select_copy
 from fmp._donation import all_owned, private
 from fmp._train_state import TrainState
 from fmp.policy import Policy
@@ -98,8 +98,10 @@ def donate_into(old: Any, new: Any) -> Any:
             if isinstance(o, torch.Tensor) and o is not n:
                 dst.append(o)
                 src.append(n)
-    if dst:
+    if dst and torch.compiler.is_compiling():
         torch._foreach_copy_(dst, src)
+    elif dst:  # a dtype group at a time: torch copies a mixed list tensor by tensor
+        foreach_copy_(dst, src)
     return old
 
 

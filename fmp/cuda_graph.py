@@ -9,6 +9,7 @@ from typing import Any
 import optree
 import torch
 
+from fmp._batched import foreach_copy_
 from fmp._compile import CompiledStep
 from fmp._donation import prepared_on_host
 from fmp._step_trees import donate_into
@@ -53,7 +54,7 @@ def _copy_into(what: str, dst: Any, src: Any) -> None:
             raise ValueError(f"fmp.cuda_graph: {what} leaf {i} is {s!r}; the graph was "
                              f"captured with {d!r} (non-tensor values are fixed at capture)")
     if pairs:
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 class GraphedStep:
@@ -109,7 +110,7 @@ class GraphedStep:
         _copy_into("batch", self._batch, batch)
         self.graph.replay()
         if self._dst:  # what the step did not write in place (all of it without donation)
-            torch._foreach_copy_(self._dst, self._src)
+            foreach_copy_(self._dst, self._src)
         return self.state, self._metrics
 
 

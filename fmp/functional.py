@@ -10,6 +10,7 @@ from torch.func import functional_call
 
 from fmp import _model, _norm_cast
 from fmp._batched import clone_all, eager
+from fmp._reparam import Slots
 from fmp.policy import NORM_LAYERS
 
 __all__ = ["functional"]
@@ -105,6 +106,7 @@ def functional(model: torch.nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]
     _model.register(model)
     _norm_cast.install(model)  # float32 norms take 16-bit inputs on CUDA too
     cache: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
+    slots = Slots(model)
 
     def frozen_for_step(given: dict[str, Any]) -> dict[str, Any]:
         """The frozen params ``given`` lacks, in the running step's compute dtypes."""
@@ -147,8 +149,11 @@ def functional(model: torch.nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]
             params = {**frozen_for_step(params), **params}
         _norm_cast.depth[0] += 1
         try:
-            out = functional_call(model, (params, buffers), args, kwargs, tie_weights=True,
-                                  strict=False)
+            if eager():  # names resolved once (fmp/_reparam.py)
+                out = slots.call(params, buffers, args, kwargs, write_back=return_buffers)
+            else:
+                out = functional_call(model, (params, buffers), args, kwargs,
+                                      tie_weights=True, strict=False)
         finally:
             _norm_cast.depth[0] -= 1
         return (out, buffers) if return_buffers else out

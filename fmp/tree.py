@@ -11,9 +11,10 @@ from typing import Any, TypeVar
 import optree
 import torch
 
+from fmp._batched import foreach_copy_
 from fmp.dtypes import dtype as _dtype
 
-__all__ = ["all_finite", "cast_tree", "floating_leaves", "select_tree"]
+__all__ = ["all_finite", "cast_tree", "copy_tree_", "floating_leaves", "select_tree"]
 
 T = TypeVar("T")
 
@@ -141,6 +142,52 @@ def to_dtypes_of(tree: T, like: Any) -> T:
         return g
 
     return optree.tree_map(conv, tree, like)
+
+
+def copy_tree_(dst: T, src: Any) -> T:
+    """Copy ``src``'s tensor leaves into ``dst``'s tensors in place, converting dtypes.
+
+    One multi-tensor copy per (device, dtype pair), where ``torch._foreach_copy_`` on a list
+    that mixes dtypes copies tensor by tensor (a kernel each: the master-weight copy of a
+    model with float32 norms and float16 weights, or float32 statistics beside int64
+    counts). Values are those ``dst_leaf.copy_(src_leaf)`` gives.
+
+    Args:
+        dst: a tree of tensors, written in place.
+        src: a tree of the same structure; each leaf a tensor of its ``dst`` leaf's shape.
+
+    Returns:
+        ``dst``.
+
+    Raises:
+        ValueError: the trees differ in structure, or a pair of leaves in shape or in being
+            a tensor (the message names the leaf).
+
+    Example:
+        >>> d = {"w": torch.zeros(2, dtype=torch.float16), "n": torch.zeros((), dtype=torch.int64)}
+        >>> fmp.copy_tree_(d, {"w": torch.tensor([0.5, 2.0]), "n": torch.tensor(3)})
+        {'w': tensor([0.5000, 2.0000], dtype=torch.float16), 'n': tensor(3)}
+    """
+    if type(dst) is list and type(src) is list and len(dst) == len(src) and all(
+            type(d) is torch.Tensor and type(s) is torch.Tensor and d.shape == s.shape
+            for d, s in zip(dst, src, strict=True)):
+        foreach_copy_(dst, src)  # the adapter's hot path: lists of tensors
+        return dst
+    paths, d_leaves, spec = optree.tree_flatten_with_path(dst)
+    s_leaves, s_spec = optree.tree_flatten(src)
+    if s_spec != spec:
+        raise ValueError(f"copy_tree_: the trees differ in structure:\n  dst: {spec}\n"
+                         f"  src: {s_spec}")
+    for p, d, s in zip(paths, d_leaves, s_leaves, strict=True):
+        if not (isinstance(d, torch.Tensor) and isinstance(s, torch.Tensor)
+                and d.shape == s.shape):
+            what = lambda x: (f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor)  # noqa: E731
+                              else type(x).__name__)
+            raise ValueError(f"copy_tree_: leaf {'.'.join(map(str, p)) or '<root>'!r} is "
+                             f"{what(s)} in src and {what(d)} in dst; each pair must be "
+                             "tensors of one shape")
+    foreach_copy_(d_leaves, s_leaves)
+    return dst
 
 
 def select_tree(pred: torch.Tensor, on_true: T, on_false: T) -> T:

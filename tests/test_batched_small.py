@@ -251,3 +251,40 @@ def test_cuda_batchnorm_step_skips_with_buffers_bit_identical():
     state, m = step(state, x, y)
     assert not bool(m["skipped"])
     assert int(state.model_state["1.num_batches_tracked"]) == 3
+
+
+def test_foreach_copy_of_a_mixed_list_copies_every_pair_with_conversion():
+    dst = [torch.zeros(3), torch.zeros((), dtype=torch.int64), torch.zeros(2, dtype=torch.float16),
+           torch.zeros(2)]
+    src = [torch.arange(3.0), torch.tensor(7), torch.tensor([1.5, 65504.0]),
+           torch.tensor([0.1, 3.0], dtype=torch.bfloat16)]
+    fmp_batched.foreach_copy_(dst, src)
+    for d, s in zip(dst, src, strict=True):
+        assert torch.equal(d, s.to(d.dtype))
+    with pytest.raises(ValueError):
+        fmp_batched.foreach_copy_(dst, src[:2])
+
+
+def _cuda_kernels(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@pytest.mark.cuda
+def test_cuda_foreach_copy_of_a_mixed_list_launches_a_kernel_per_dtype_not_per_tensor():
+    """torch's _foreach_copy_ of a list mixing float32 and int64 copies tensor by tensor
+    (a memcpy each); grouped by dtype it is a multi-tensor kernel per group."""
+    dst = [torch.zeros(64 * (1 + i % 4), device="cuda") for i in range(40)]
+    dst += [torch.zeros((), dtype=torch.int64, device="cuda") for _ in range(40)]
+    src = [torch.ones_like(d) for d in dst]
+    mixed = _cuda_kernels(lambda: torch._foreach_copy_(dst, src))
+    grouped = _cuda_kernels(lambda: fmp_batched.foreach_copy_(dst, src))
+    assert grouped <= 4 < mixed, (grouped, mixed)
+    half = [torch.empty_like(s, dtype=torch.float16) for s in src[:40]]
+    conv = _cuda_kernels(lambda: fmp_batched.foreach_copy_(half, src[:40]))
+    print("float32 -> float16 copy of 40 tensors:", conv, "kernels")

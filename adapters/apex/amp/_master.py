@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+import fmp
+
 #: The per-param key under which ``optimizer.state_dict()`` carries a master's value.
 MASTER_KEY = "fmp_master"
 
@@ -105,7 +107,7 @@ class MasterWeights:
         """Copy every master into its model param (rounded to the param's dtype)."""
         if self.model_of:
             with torch.no_grad():
-                torch._foreach_copy_(self.model_params, self.masters)
+                fmp.copy_tree_(self.model_params, self.masters)
             self._seen = _stamps(self.model_of.values()) or []
 
     def sync_from_model(self) -> int:

@@ -233,7 +233,7 @@ def _float32_copies(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     out = [torch.empty_like(g, dtype=torch.float32) for g in grads]
     if out:
         with torch.no_grad():
-            torch._foreach_copy_(out, [g.detach() for g in grads])
+            fmp.copy_tree_(out, [g.detach() for g in grads])
     return out
 
 
