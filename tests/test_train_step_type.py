@@ -291,7 +291,10 @@ def test_a_donated_fused_step_checks_its_trees_once_and_copies_nothing_after_the
 
 def test_host_walks_script_counts_a_few_walks_per_donated_step():
     """benchmarks/host_walks.py runs, and one eager donated step walks its trees a few
-    times (before issue 17: 17 optree walks and 58 Python passes over the leaves)."""
+    times (before issue 17: 17 optree walks and 58 Python passes over the leaves; 34
+    until 2026-12-07, 39 since: the forward's own slot swap and the copies grouped by
+    dtype loop over the leaves where torch.func.functional_call and per-tensor copies
+    walked them inside torch, at some 20 times the host cost on ResNet-50)."""
     import sys
 
     sys.path.insert(0, str(FMP.parent / "benchmarks"))
@@ -301,5 +304,5 @@ def test_host_walks_script_counts_a_few_walks_per_donated_step():
         sys.path.pop(0)
     r = host_walks.measure("mlp", steps=1)
     assert r["params"] == 34
-    assert 0 < r["optree_walks"] <= 13 and 0 < r["python_leaf_loops"] <= 34, r
+    assert 0 < r["optree_walks"] <= 13 and 0 < r["python_leaf_loops"] <= 39, r
     assert not any("_lists" in k for k, v in r["by_caller"].items() if v > 1), r
