@@ -30,10 +30,9 @@ SMALL = 1 << 16
 BATCH_ON_CPU = False
 
 
-def eager() -> bool:
-    """Whether the caller runs in plain eager mode (not traced, not inside torch.func)."""
-    return (not torch.compiler.is_compiling()
-            and torch._C._functorch.peek_interpreter_stack() is None)
+def where_as(pred: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.where(pred, a, b)`` in ``a``'s dtype (``b`` converted where it differs)."""
+    return torch.where(pred, a, b.to(a.dtype) if b.dtype != a.dtype else b)
 
 
 def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
@@ -50,13 +49,20 @@ def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
         >>> d
         [tensor([1., 1.]), tensor(3)]
     """
+    for d, s in copy_groups(dst, src):
+        torch._foreach_copy_(d, s)
+
+
+def copy_groups(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]
+                ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """The ``(dst, src)`` lists :func:`foreach_copy_` copies, one per (device, dtypes)
+    group (a caller that copies the same pairs again and again keeps them)."""
     groups: dict[tuple[torch.device, torch.dtype, torch.dtype], tuple[list, list]] = {}
     for d, s in zip(dst, src, strict=True):
         g = groups.setdefault((d.device, d.dtype, s.dtype), ([], []))
         g[0].append(d)
         g[1].append(s)
-    for d, s in groups.values():
-        torch._foreach_copy_(d, s)
+    return list(groups.values())
 
 
 def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -100,7 +106,7 @@ def select_copy(pred: torch.Tensor, new: Sequence[torch.Tensor],
             groups.setdefault((a.device, a.dtype, a.dim() == 0), []).append(i)
         else:
             dst.append(b)
-            src.append(torch.where(pred, a, b.to(a.dtype) if b.dtype != a.dtype else b))
+            src.append(where_as(pred, a, b))
     for (_, _, scalars), idx in groups.items():
         if len(idx) == 1:
             i = idx[0]

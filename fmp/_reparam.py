@@ -41,7 +41,6 @@ class Slots:
     def _resolve(self) -> None:
         edges: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
         owners: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-        by_tensor: dict[int, list[str]] = {}
         names: dict[str, int] = {}
         seen: set[int] = set()
         for prefix, mod in self.model.named_modules(remove_duplicate=False):
@@ -54,7 +53,6 @@ class Slots:
                     if t is None:
                         continue
                     owners.append((d, k, t))
-                    by_tensor.setdefault(id(t), []).append(pre + k)
                     names[pre + k] = id(t)
         slots: dict[int, list[_Slot]] = {}
         placed: set[tuple[int, str]] = set()  # a shared submodule's slot, under two names
@@ -91,13 +89,13 @@ class Slots:
                     d[k] = value
             return self.model(*args, **kwargs)
         finally:
-            now = [(d[k], put) for d, k, _, put in done]
+            now = [d[k] for d, k, _, _ in done]  # what the forward left in each slot
             for d, k, orig, _ in reversed(done):
                 d[k] = orig
             if write_back and buffers is not None:
                 i = 0
                 for slots, value, name in plan:
-                    cur = now[i][0]
+                    cur = now[i]
                     i += len(slots)
                     if cur is not value and name in buffers:
                         buffers[name] = cur

@@ -9,8 +9,9 @@ from typing import Any
 import optree
 import torch
 
-from fmp._batched import eager, foreach_copy_, select_copy
+from fmp._batched import foreach_copy_, select_copy, where_as
 from fmp._donation import all_owned, private
+from fmp._eager import eager_kernels_ok
 from fmp._train_state import TrainState
 from fmp.policy import Policy
 from fmp.tree import select_tree
@@ -135,13 +136,13 @@ def select_into(pred: torch.Tensor, new: Any, old: Any) -> Any:
             break
     if not ok:
         return donate_into(old, select_tree(pred, new, old))
-    if eager():  # small leaves of one dtype: one where for all (fmp/_batched.py)
+    if eager_kernels_ok():  # small leaves of one dtype: one where for all (fmp/_batched.py)
         select_copy(pred, new_leaves, old_leaves)
         return old
     dst, src = [], []
     for a, b in zip(new_leaves, old_leaves, strict=True):
         dst.append(b)
-        src.append(torch.where(pred, a, b.to(a.dtype) if b.dtype != a.dtype else b))
+        src.append(where_as(pred, a, b))
     if dst:
         torch._foreach_copy_(dst, src)
     return old
@@ -165,7 +166,7 @@ def _select_into_compiled(pred: torch.Tensor, new: Any, old: Any) -> Any:
     def pair(a: Any, b: Any) -> Any:
         if type(a) is torch.Tensor and type(b) is torch.Tensor and a.shape == b.shape:
             dst.append(b)
-            src.append(torch.where(pred, a, b.to(a.dtype) if b.dtype != a.dtype else b))
+            src.append(where_as(pred, a, b))
         else:
             ok[0] = False
         return b

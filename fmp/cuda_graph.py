@@ -9,7 +9,7 @@ from typing import Any
 import optree
 import torch
 
-from fmp._batched import foreach_copy_
+from fmp._batched import copy_groups, foreach_copy_
 from fmp._compile import CompiledStep
 from fmp._donation import prepared_on_host
 from fmp._step_trees import donate_into
@@ -86,8 +86,8 @@ class GraphedStep:
                                "captured step must map a state to one of the same shape")
         moved = [(s, o) for s, o in zip(s_leaves, o_leaves, strict=True)
                  if isinstance(s, torch.Tensor) and s is not o]
-        self._dst = [s for s, _ in moved]
-        self._src = [o for _, o in moved]
+        # grouped once: every replay copies the same pairs
+        self._copies = copy_groups([s for s, _ in moved], [o for _, o in moved])
 
     def _load(self, state: Any) -> None:
         """Copy another state into the graph's; its compute copy is rebuilt from the params."""
@@ -109,8 +109,8 @@ class GraphedStep:
             self._load(state)
         _copy_into("batch", self._batch, batch)
         self.graph.replay()
-        if self._dst:  # what the step did not write in place (all of it without donation)
-            foreach_copy_(self._dst, self._src)
+        for dst, src in self._copies:  # what the step did not write in place (all of it
+            torch._foreach_copy_(dst, src)  # without donation), a dtype group at a time
         return self.state, self._metrics
 
 

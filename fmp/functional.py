@@ -9,7 +9,8 @@ import torch
 from torch.func import functional_call
 
 from fmp import _model, _norm_cast
-from fmp._batched import clone_all, eager
+from fmp._batched import clone_all
+from fmp._eager import eager_kernels_ok
 from fmp._reparam import Slots
 from fmp.policy import NORM_LAYERS
 
@@ -21,7 +22,7 @@ ApplyFn = Callable[..., Any]
 def _copies(buffers: dict[str, Any]) -> dict[str, Any]:
     """The buffers' copies the forward may update (what ``return_buffers=True`` returns):
     in eager mode one ``_foreach_copy_`` per dtype instead of a clone per buffer."""
-    if not eager():
+    if not eager_kernels_ok():
         return {n: (b.clone() if isinstance(b, torch.Tensor) else b) for n, b in buffers.items()}
     plain = [n for n, b in buffers.items() if type(b) is torch.Tensor and not b.requires_grad]
     out = dict(zip(plain, clone_all([buffers[n] for n in plain]), strict=True))
@@ -115,8 +116,7 @@ def functional(model: torch.nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]
         if act.policy is None or not missing:
             return missing
         want = tuple(act.compute_dtype(n, n in norm_names) for n in missing)
-        eager = (not torch.compiler.is_compiling()
-                 and torch._C._functorch.peek_interpreter_stack() is None)
+        eager = eager_kernels_ok()
         key = (want, tuple(missing), tuple(t._version for t in missing.values())) if eager else ()
         if eager and key in cache:
             return cache[key]
@@ -149,7 +149,7 @@ def functional(model: torch.nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]
             params = {**frozen_for_step(params), **params}
         _norm_cast.depth[0] += 1
         try:
-            if eager():  # names resolved once (fmp/_reparam.py)
+            if eager_kernels_ok():  # names resolved once (fmp/_reparam.py)
                 out = slots.call(params, buffers, args, kwargs, write_back=return_buffers)
             else:
                 out = functional_call(model, (params, buffers), args, kwargs,

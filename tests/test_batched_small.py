@@ -163,7 +163,7 @@ def test_a_batchnorm_step_clones_and_selects_its_buffers_in_a_few_ops(donate, mo
     donated, their 36 wheres are gone, replaced by one copy (and one where) per dtype."""
     batched = _ops_of_second_step(donate)
     for mod in (importlib.import_module("fmp.functional"), fmp_step_trees):
-        monkeypatch.setattr(mod, "eager", lambda: False)
+        monkeypatch.setattr(mod, "eager_kernels_ok", lambda: False)
     per_tensor = _ops_of_second_step(donate)
     assert per_tensor["clone"] - batched["clone"] == 36, (batched, per_tensor)
     assert batched["_foreach_copy_"] >= 1
