@@ -10,8 +10,9 @@ names all at once. Before each call it checks that the module still is what it r
 
 Anything the fast path does not take (a name the module lacks, a non-tensor value, two
 different tensors for tied names) goes through ``functional_call``, for its behaviour and
-errors. In torch.compile or torch.func transforms, callers use ``functional_call`` (see
-fmp/functional.py).
+errors. Under torch.compile it is what dynamo traces too (a third of functional_call's
+lines to trace on GPT-2: 7.7k against 20.5k, loss graph 3.7 s against 4.8 s on CPU); inside
+torch.func transforms, callers use ``functional_call`` (see fmp/functional.py).
 """
 
 from __future__ import annotations
@@ -62,21 +63,43 @@ class Slots:
                 slots.setdefault(id(t), []).append((d, k))
         self._edges = edges
         self._owners = owners
+        self._modules = list(self.model.named_modules())
+        # a slot added anywhere (a new buffer, param or submodule) also counts as a change
+        self._sizes = [(m, len(m._modules), len(m._parameters), len(m._buffers))
+                       for _, m in self.model.named_modules(remove_duplicate=True)]
+        self._buffers = [(n, b) for n, b in self.model.named_buffers()]
         # each name -> (group id, the slots of every name tied to it)
         self._where = {n: (g, slots[g]) for n, g in names.items()}
 
     def _intact(self) -> bool:
         return (all(p._modules.get(k) is c for p, k, c in self._edges)
-                and all(d.get(k) is t for d, k, t in self._owners))
+                and all(d.get(k) is t for d, k, t in self._owners)
+                and all(len(m._modules) == a and len(m._parameters) == b
+                        and len(m._buffers) == c for m, a, b, c in self._sizes))
+
+    def ensure(self) -> None:
+        """Resolve again if the module changed since it was resolved."""
+        if not self._intact():
+            self._resolve()
+
+    def named_modules(self) -> list[tuple[str, torch.nn.Module]]:
+        """``list(model.named_modules())`` as of the last :meth:`ensure`."""
+        return self._modules
+
+    def named_buffers(self) -> dict[str, torch.Tensor]:
+        """``dict(model.named_buffers())`` as of the last :meth:`ensure`."""
+        return dict(self._buffers)
 
     def call(self, params: dict[str, Any], buffers: dict[str, Any] | None,
-             args: tuple[Any, ...], kwargs: dict[str, Any], write_back: bool = False) -> Any:
+             args: tuple[Any, ...], kwargs: dict[str, Any], write_back: bool = False,
+             checked: bool = False) -> Any:
         """``functional_call(model, (params, buffers), args, kwargs, tie_weights=True,
         strict=False)``. With ``write_back``, a buffer the forward replaces (assigns
         instead of updating in place) is written into ``buffers``, as torch does for a
-        single dict it is given."""
-        if not self._intact():
-            self._resolve()
+        single dict it is given. ``checked``: :meth:`ensure` ran since the module last
+        changed."""
+        if not checked:
+            self.ensure()
         plan = self._plan(params, buffers)
         if plan is None:
             return functional_call(self.model, (params, buffers or {}), args, kwargs,

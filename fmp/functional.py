@@ -30,10 +30,10 @@ def _copies(buffers: dict[str, Any]) -> dict[str, Any]:
             for n, b in buffers.items()}
 
 
-def _updating_buffers(model: torch.nn.Module) -> list[str]:
+def _updating_buffers(named_modules: list[tuple[str, torch.nn.Module]]) -> list[str]:
     """Modules whose forward updates running statistics in place in the current mode."""
     out = []
-    for name, m in model.named_modules():
+    for name, m in named_modules:
         if (m.training and getattr(m, "track_running_stats", False)
                 and getattr(m, "running_mean", None) is not None):
             out.append(f"{name}.running_mean" if name else "running_mean")
@@ -130,8 +130,9 @@ def functional(model: torch.nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]
 
     def apply_fn(params: dict[str, Any], *args: Any, buffers: dict[str, Any] | None = None,
                  return_buffers: bool = False, **kwargs: Any) -> Any:
+        slots.ensure()
         if _model.ACTIVE.skip_safe and not return_buffers:
-            updating = _updating_buffers(model)
+            updating = _updating_buffers(slots.named_modules())
             if updating:
                 whose = "the module's own buffers" if buffers is None else "the buffers given"
                 raise ValueError(
@@ -142,15 +143,17 @@ def functional(model: torch.nn.Module) -> tuple[ApplyFn, dict[str, torch.Tensor]
                     "buffers) and apply_fn(p, *batch, buffers=model_state, "
                     "return_buffers=True) in loss_fn, or put the module in eval mode")
         if buffers is None:
-            buffers = {n: b for n, b in model.named_buffers()}
+            buffers = slots.named_buffers()
         if return_buffers:
             buffers = _copies(buffers)
         if frozen:
             params = {**frozen_for_step(params), **params}
         _norm_cast.depth[0] += 1
         try:
-            if eager_kernels_ok():  # names resolved once (fmp/_reparam.py)
-                out = slots.call(params, buffers, args, kwargs, write_back=return_buffers)
+            # names resolved once (fmp/_reparam.py), eager and under torch.compile
+            if torch.compiler.is_compiling() or eager_kernels_ok():
+                out = slots.call(params, buffers, args, kwargs, write_back=return_buffers,
+                                 checked=True)
             else:
                 out = functional_call(model, (params, buffers), args, kwargs,
                                       tie_weights=True, strict=False)

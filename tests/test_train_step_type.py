@@ -294,7 +294,9 @@ def test_host_walks_script_counts_a_few_walks_per_donated_step():
     times (before issue 17: 17 optree walks and 58 Python passes over the leaves; 34
     until 2026-12-07, 39 since: the forward's own slot swap and the copies grouped by
     dtype loop over the leaves where torch.func.functional_call and per-tensor copies
-    walked them inside torch, at some 20 times the host cost on ResNet-50)."""
+    walked them inside torch, at some 20 times the host cost on ResNet-50; 42 since the
+    module list and the slot-count check live in fmp/_reparam.py instead of torch's
+    named_modules, which the count does not see)."""
     import sys
 
     sys.path.insert(0, str(FMP.parent / "benchmarks"))
@@ -304,5 +306,5 @@ def test_host_walks_script_counts_a_few_walks_per_donated_step():
         sys.path.pop(0)
     r = host_walks.measure("mlp", steps=1)
     assert r["params"] == 34
-    assert 0 < r["optree_walks"] <= 13 and 0 < r["python_leaf_loops"] <= 39, r
+    assert 0 < r["optree_walks"] <= 13 and 0 < r["python_leaf_loops"] <= 42, r
     assert not any("_lists" in k for k, v in r["by_caller"].items() if v > 1), r

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Protocol
 import optree
 import torch
 
+from fmp import _flat_dict
 from fmp.optim._leafwise import _cast, _check_shapes, _flatten_like
 
 
@@ -105,7 +106,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
         >>> fmp.optim.apply_updates(p, {"w": torch.full((2,), 0.5)})["w"]
         tensor([1.5000, 1.5000], dtype=torch.bfloat16)
     """
-    p, spec = optree.tree_flatten(params)
+    p, spec = _flat_dict.flatten(params)
     u = _flatten_like(updates, spec, "updates", "params")
     if not p:
         return optree.tree_unflatten(spec, [])
@@ -118,4 +119,4 @@ def apply_updates(params: Any, updates: Any) -> Any:
     _check_shapes(u, p, spec, "updates", "param")
     dts = [torch.promote_types(a.dtype, b.dtype) for a, b in zip(p, u, strict=True)]
     out = torch._foreach_add(_cast(p, dts), _cast(u, dts))
-    return optree.tree_unflatten(spec, _cast(out, [a.dtype for a in p]))
+    return _flat_dict.unflatten(spec, _cast(out, [a.dtype for a in p]))

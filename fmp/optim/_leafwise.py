@@ -14,6 +14,8 @@ from typing import Any
 import optree
 import torch
 
+from fmp import _flat_dict
+
 _INT32_MAX = 2**31 - 1
 
 
@@ -41,7 +43,7 @@ def _flatten_like(tree: Any, spec: Any, what: str, like: str) -> list[Any]:
     # leaves alone (the same order) then trace in half a flatten's time: dynamo's polyfill
     # of tree_flatten builds a spec object for every node, tree_leaves none.
     if torch.compiler.is_compiling():
-        return optree.tree_leaves(tree)
+        return _flat_dict.leaves(tree)
     leaves, tspec = optree.tree_flatten(tree)
     if tspec != spec:
         raise ValueError(
@@ -171,7 +173,7 @@ class _Leaves:
 
     def store(self, new: list[torch.Tensor], dtypes: list[torch.dtype]) -> Any:
         """New moments cast back to their stored dtypes, as a tree like the grads."""
-        return optree.tree_unflatten(self.spec, _cast(new, dtypes))
+        return _flat_dict.unflatten(self.spec, _cast(new, dtypes))
 
 
 _Body = Callable[[_Leaves, Any], tuple[list[torch.Tensor], Any]]
@@ -201,7 +203,7 @@ def _leafwise(
     def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         if state_type is not None:
             _expect_state(fn, state, state_type)
-        g, spec = optree.tree_flatten(grads)
+        g, spec = _flat_dict.flatten(grads)
         if not g:
             return _no_leaves(spec, state)
         if promote_params:
@@ -214,7 +216,7 @@ def _leafwise(
             g = _cast(g, dts)
             p = _cast(_need_params(fn, params, spec), dts) if reads_params else None
         updates, new_state = body(_Leaves(spec, dts, g, p), state)
-        return optree.tree_unflatten(spec, updates), new_state
+        return _flat_dict.unflatten(spec, updates), new_state
 
     update.__qualname__ = f"{fn}.<locals>.update"
     return update
