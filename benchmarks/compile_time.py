@@ -67,7 +67,8 @@ def child(spec: str, device: str, tiny: bool) -> dict[str, Any]:
             times[name.strip()] = float(val)
         except ValueError:
             continue
-    return {"variant": spec, "fmp": fmp._compile.__file__, "build_s": build_s, "loss": float(loss), "frames": frames,
+    return {"variant": spec, "fmp": fmp._compile.__file__, "build_s": build_s,
+            "loss": float(loss), "frames": frames,
             "timers": {k: times[k] for k in TIMERS if k in times}, "all_timers": times}
 
 

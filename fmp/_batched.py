@@ -66,19 +66,31 @@ def copy_groups(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]
 
 
 def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` (each its own storage, strides and dtype kept), made by one
-    ``_foreach_copy_`` per device and dtype instead of one clone each.
+    """Copies of ``tensors`` (each its own storage, strides and dtype kept), a (device,
+    dtype) group at a time: ``torch._foreach_clone`` where torch has it (one call
+    allocates and copies the group), else fresh tensors and one ``_foreach_copy_``.
 
     Example:
         >>> a, b = clone_all([torch.ones(2), torch.zeros((), dtype=torch.int64)])
         >>> a, b
         (tensor([1., 1.]), tensor(0))
     """
-    out = [torch.empty_like(t, memory_format=torch.preserve_format) for t in tensors]
-    if out:
-        with torch.no_grad():
-            foreach_copy_(out, tensors)
-    return out
+    clone = getattr(torch, "_foreach_clone", None)
+    if clone is None or not tensors:
+        out = [torch.empty_like(t, memory_format=torch.preserve_format) for t in tensors]
+        if out:
+            with torch.no_grad():
+                foreach_copy_(out, tensors)
+        return out
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    res: list[torch.Tensor | None] = [None] * len(tensors)
+    with torch.no_grad():
+        for idx in groups.values():
+            for i, c in zip(idx, clone([tensors[i] for i in idx]), strict=True):
+                res[i] = c
+    return res  # type: ignore[return-value]
 
 
 def select_copy(pred: torch.Tensor, new: Sequence[torch.Tensor],

@@ -13,6 +13,8 @@ module and the other states keep their values.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +25,14 @@ import torch
 #: id -> weak reference of each tensor a step (or TrainState.create, for fresh optimizer
 #: state) handed out; an entry goes when its tensor does (a plain dict: a lookup is cheap)
 _OWNED: dict[int, weakref.ref] = {}
+
+
+class _Gone:
+    pass
+
+
+#: a reference whose object is gone: what a tensor fmp did not hand out looks up
+_NO_REF = weakref.ref(_Gone())
 
 
 def _owned(x: torch.Tensor) -> bool:
@@ -71,8 +81,17 @@ def hand_over(tree: Any, what: str = "TrainState") -> None:
 
 
 def all_owned(tree: Any) -> bool:
-    """Whether fmp handed out every tensor leaf of ``tree`` (:func:`private` is a no-op)."""
-    return all(not isinstance(x, torch.Tensor) or _owned(x) for x in optree.tree_leaves(tree))
+    """Whether fmp handed out every tensor leaf of ``tree`` (:func:`private` is a no-op).
+
+    Every step asks this of its whole state, so the common answer (every leaf a tensor fmp
+    handed out) is found without a Python loop over the leaves: each leaf's reference,
+    dereferenced, must be the leaf itself. Anything else is decided leaf by leaf.
+    """
+    leaves = optree.tree_leaves(tree)
+    refs = map(_OWNED.get, map(id, leaves), itertools.repeat(_NO_REF))
+    if all(map(operator.is_, map(weakref.ref.__call__, refs), leaves)):
+        return True
+    return all(not isinstance(x, torch.Tensor) or _owned(x) for x in leaves)
 
 
 def private(tree: Any) -> Any:

@@ -17,6 +17,8 @@ torch.func transforms, callers use ``functional_call`` (see fmp/functional.py).
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any
 
 import torch
@@ -40,14 +42,9 @@ class Slots:
         self._resolve()
 
     def _resolve(self) -> None:
-        edges: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
         owners: list[tuple[dict[str, Any], str, torch.Tensor]] = []
         names: dict[str, int] = {}
-        seen: set[int] = set()
         for prefix, mod in self.model.named_modules(remove_duplicate=False):
-            if id(mod) not in seen:
-                seen.add(id(mod))
-                edges.extend((mod, k, c) for k, c in mod._modules.items() if c is not None)
             pre = f"{prefix}." if prefix else ""
             for d in (mod._parameters, mod._buffers):
                 for k, t in d.items():
@@ -61,21 +58,24 @@ class Slots:
             if (id(d), k) not in placed:
                 placed.add((id(d), k))
                 slots.setdefault(id(t), []).append((d, k))
-        self._edges = edges
-        self._owners = owners
-        self._modules = list(self.model.named_modules())
-        # a slot added anywhere (a new buffer, param or submodule) also counts as a change
-        self._sizes = [(m, len(m._modules), len(m._parameters), len(m._buffers))
-                       for _, m in self.model.named_modules(remove_duplicate=True)]
-        self._buffers = [(n, b) for n, b in self.model.named_buffers()]
-        # each name -> (group id, the slots of every name tied to it)
         self._where = {n: (g, slots[g]) for n, g in names.items()}
+        # every slot dict of every module: their keys and values, to see a change in two
+        # list comparisons (a submodule, param or buffer replaced, added or removed)
+        mods = list(self.model.named_modules())
+        self._dicts = [d for _, m in mods for d in (m._modules, m._parameters, m._buffers)]
+        self._keys, self._vals = self._contents()
+        self._modules = mods
+        self._buffers = list(self.model.named_buffers())
+        self._plans: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}
+
+    def _contents(self) -> tuple[list[Any], list[Any]]:
+        return (list(itertools.chain.from_iterable(self._dicts)),
+                list(itertools.chain.from_iterable(map(dict.values, self._dicts))))
 
     def _intact(self) -> bool:
-        return (all(p._modules.get(k) is c for p, k, c in self._edges)
-                and all(d.get(k) is t for d, k, t in self._owners)
-                and all(len(m._modules) == a and len(m._parameters) == b
-                        and len(m._buffers) == c for m, a, b, c in self._sizes))
+        keys, vals = self._contents()
+        return (len(vals) == len(self._vals) and keys == self._keys
+                and all(map(operator.is_, vals, self._vals)))
 
     def ensure(self) -> None:
         """Resolve again if the module changed since it was resolved."""
@@ -125,20 +125,41 @@ class Slots:
 
     def _plan(self, params: dict[str, Any], buffers: dict[str, Any] | None
               ) -> list[tuple[list[_Slot], Any, str]] | None:
-        """The slots to fill, or None where functional_call must decide."""
-        plan = []
-        given: dict[int, Any] = {}
-        for tree in (params, buffers or {}):
-            for name, value in tree.items():
-                hit = self._where.get(name)
-                if (hit is None or not isinstance(value, torch.Tensor)
-                        or (tree is buffers and name in params)):
-                    return None
-                g, slots = hit
-                if g in given:
-                    if given[g] is not value:
-                        return None  # tied names given apart: functional_call's error
-                    continue
-                given[g] = value
-                plan.append((slots, value, name))
-        return plan
+        """The slots to fill, or None where functional_call must decide.
+
+        What depends on the names alone (which slots, which names are tied, which the
+        module lacks) is worked out once per set of names; each call checks the values."""
+        buffers = buffers or {}
+        key = (tuple(params), tuple(buffers))
+        shape = self._plans.get(key)
+        if shape is None:
+            shape = self._plans[key] = self._plan_names(params, buffers)
+        if shape is False:
+            return None
+        firsts, ties = shape
+        vals = [*params.values(), *buffers.values()]
+        if not all(map(isinstance, vals, itertools.repeat(torch.Tensor))):
+            return None
+        if any(vals[i] is not vals[j] for i, j in ties):
+            return None  # tied names given apart: functional_call's error
+        return [(slots, vals[i], name) for i, slots, name in firsts]
+
+    def _plan_names(self, params: dict[str, Any], buffers: dict[str, Any]) -> Any:
+        """``(firsts, ties)`` for these names: ``firsts`` the (value index, slots, name) of
+        the first name of each tied group, ``ties`` the (first, other) value indices that
+        must be one tensor; False where functional_call must decide."""
+        firsts: list[tuple[int, list[_Slot], str]] = []
+        ties: list[tuple[int, int]] = []
+        first_of: dict[int, int] = {}
+        names = [(n, False) for n in params] + [(n, True) for n in buffers]
+        for i, (name, is_buffer) in enumerate(names):
+            hit = self._where.get(name)
+            if hit is None or (is_buffer and name in params):
+                return False
+            g, slots = hit
+            if g in first_of:
+                ties.append((first_of[g], i))
+                continue
+            first_of[g] = i
+            firsts.append((i, slots, name))
+        return firsts, ties

@@ -95,10 +95,15 @@ def test_clone_all_copies_bit_for_bit_into_fresh_storage(p):
             assert c.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
 
 
-def test_clone_all_keeps_strides_of_a_non_contiguous_tensor():
+@pytest.mark.parametrize("has_foreach_clone", [True, False])
+def test_clone_all_keeps_strides_of_a_non_contiguous_tensor(has_foreach_clone, monkeypatch):
+    if not has_foreach_clone:  # torch without _foreach_clone: fresh tensors and a copy
+        monkeypatch.delattr(torch, "_foreach_clone", raising=False)
     t = torch.arange(12.0).view(3, 4).t()
-    (c,) = clone_all([t])
+    n = torch.tensor([float("nan"), -0.0], dtype=torch.float16)
+    c, m, k = clone_all([t, n, torch.tensor(7)])
     assert c.stride() == t.stride() and torch.equal(c, t)
+    assert _same(n, m, strides=True) and k.dtype == torch.int64 and int(k) == 7
 
 
 def test_large_and_non_contiguous_leaves_are_selected_on_their_own():
@@ -160,13 +165,14 @@ def _ops_of_second_step(donate: bool) -> collections.Counter[str]:
 @pytest.mark.parametrize("donate", [False, True])
 def test_a_batchnorm_step_clones_and_selects_its_buffers_in_a_few_ops(donate, monkeypatch):
     """Against the per-tensor forms (what compiled code runs): the 36 buffer clones and,
-    donated, their 36 wheres are gone, replaced by one copy (and one where) per dtype."""
+    donated, their 36 wheres are gone, replaced by one multi-tensor clone (or copy into
+    fresh tensors, where torch lacks ``_foreach_clone``) and one where per dtype."""
     batched = _ops_of_second_step(donate)
     for mod in (importlib.import_module("fmp.functional"), fmp_step_trees):
         monkeypatch.setattr(mod, "eager_kernels_ok", lambda: False)
     per_tensor = _ops_of_second_step(donate)
     assert per_tensor["clone"] - batched["clone"] == 36, (batched, per_tensor)
-    assert batched["_foreach_copy_"] >= 1
+    assert 1 <= batched["_foreach_clone"] + batched["_foreach_copy_"] <= 4, batched
     if donate:
         assert per_tensor["where"] - batched["where"] == 36 - 2, (batched, per_tensor)
 

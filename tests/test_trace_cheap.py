@@ -127,3 +127,27 @@ def test_a_buffer_registered_later_is_among_the_default_buffers():
     _, bufs = apply_fn(params, x, return_buffers=True)
     assert set(bufs) == {"seen"} and float(bufs["seen"]) == 1.0
     assert float(model.seen) == 0.0  # the copy was counted, not the module's own
+
+
+def test_all_owned_fast_answer_agrees_with_the_leaf_by_leaf_rule():
+    from fmp import _donation
+
+    mine = [torch.ones(2), torch.zeros(())]
+    _donation.claim(mine)
+    foreign = torch.ones(3)
+    assert _donation.all_owned({"a": mine[0], "b": mine[1]})
+    assert not _donation.all_owned({"a": mine[0], "f": foreign})
+    assert _donation.all_owned((mine, 3.0, None))  # non-tensor leaves are nobody's
+    assert not _donation.all_owned((mine, 3.0, foreign))
+    # an entry left under a dead tensor's id never vouches for another object
+    gone = torch.ones(1)
+    _donation.claim([gone])
+    k = id(gone)
+    del gone
+    assert k not in _donation._OWNED
+    stale = torch.ones(1)
+    _donation._OWNED[id(stale)] = _donation._NO_REF  # as if an entry outlived its tensor
+    try:
+        assert not _donation.all_owned([stale])
+    finally:
+        _donation._OWNED.pop(id(stale), None)
