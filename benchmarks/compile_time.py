@@ -61,11 +61,12 @@ def child(spec: str, device: str, tiny: bool) -> dict[str, Any]:
             "co_name", "entire_frame_compile_time_s", "backend_compile_time_s",
             "inductor_compile_time_s", "code_gen_time_s", "graph_op_count", "guard_count")})
     times = {}
+    # "name, seconds" lines (torch 2.13) or an aligned "name   seconds" table (2.11)
     for line in torch._dynamo.utils.compile_times(repr="str", aggregate=True).splitlines():
-        name, _, val = line.rpartition(", ")
+        parts = line.rsplit(None, 1)
         try:
-            times[name.strip()] = float(val)
-        except ValueError:
+            times[parts[0].rstrip(", ")] = float(parts[1])
+        except (IndexError, ValueError):
             continue
     return {"variant": spec, "fmp": fmp._compile.__file__, "build_s": build_s,
             "loss": float(loss), "frames": frames,

@@ -151,3 +151,25 @@ def test_all_owned_fast_answer_agrees_with_the_leaf_by_leaf_rule():
         assert not _donation.all_owned([stale])
     finally:
         _donation._OWNED.pop(id(stale), None)
+
+
+def test_the_update_graph_alone_compiles_with_the_narrower_fusion_search():
+    import torch._inductor.config as ic
+
+    from fmp._compile import UPDATE_OPTIONS
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(ic.max_fusion_buffer_group_pairwise_attempts)
+        return gm.forward
+
+    default = ic.max_fusion_buffer_group_pairwise_attempts
+    model = torch.nn.Linear(3, 2)
+    step, params, opt = _mlp_step(model)
+    state = fmp.TrainState.create(params, opt)
+    compiled = fmp.compile(step, backend=backend)
+    compiled(state, torch.randn(4, 3), torch.randn(4, 2))
+    want = UPDATE_OPTIONS["max_fusion_buffer_group_pairwise_attempts"]
+    assert seen[0] == default and seen[-1] == want != default, seen
+    assert ic.max_fusion_buffer_group_pairwise_attempts == default  # nothing leaks
