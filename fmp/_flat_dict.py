@@ -26,10 +26,6 @@ class DictSpec:
     def __init__(self, keys: tuple[Any, ...], order: tuple[Any, ...]) -> None:
         self.keys, self.order = keys, order
 
-    @property
-    def num_leaves(self) -> int:
-        return len(self.keys)
-
     def paths(self) -> list[tuple[Any, ...]]:
         return [(k,) for k in self.keys]
 

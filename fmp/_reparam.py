@@ -26,6 +26,9 @@ from torch.func import functional_call
 
 _Slot = tuple[dict[str, Any], str]
 
+#: sets of names whose plans a Slots keeps (a step gives one or two: params, buffers)
+_PLANS_KEPT = 8
+
 
 class Slots:
     """Where each parameter and buffer of ``model`` lives, resolved once.
@@ -133,6 +136,8 @@ class Slots:
         key = (tuple(params), tuple(buffers))
         shape = self._plans.get(key)
         if shape is None:
+            if len(self._plans) >= _PLANS_KEPT:  # callers whose names vary call by call
+                self._plans.clear()
             shape = self._plans[key] = self._plan_names(params, buffers)
         if shape is False:
             return None

@@ -21,7 +21,7 @@ ApplyFn = Callable[..., Any]
 
 def _copies(buffers: dict[str, Any]) -> dict[str, Any]:
     """The buffers' copies the forward may update (what ``return_buffers=True`` returns):
-    in eager mode one ``_foreach_copy_`` per dtype instead of a clone per buffer."""
+    in eager mode a multi-tensor clone per dtype (``clone_all``), not a clone per buffer."""
     if not eager_kernels_ok():
         return {n: (b.clone() if isinstance(b, torch.Tensor) else b) for n, b in buffers.items()}
     plain = [n for n, b in buffers.items() if type(b) is torch.Tensor and not b.requires_grad]

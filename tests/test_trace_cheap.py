@@ -173,3 +173,18 @@ def test_the_update_graph_alone_compiles_with_the_narrower_fusion_search():
     want = UPDATE_OPTIONS["max_fusion_buffer_group_pairwise_attempts"]
     assert seen[0] == default and seen[-1] == want != default, seen
     assert ic.max_fusion_buffer_group_pairwise_attempts == default  # nothing leaks
+
+
+def test_slot_plans_stay_few_when_the_given_names_vary():
+    from fmp import _reparam
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(12)])
+    slots = _reparam.Slots(model)
+    params = dict(model.named_parameters())
+    x = torch.ones(1, 2)
+    for i in range(12):  # a different subset of names each call
+        given = {k: v.detach() * 0 for k, v in params.items() if k.startswith(f"{i}.")}
+        out = slots.call(given, None, (x,), {})
+        ref = torch.func.functional_call(model, given, (x,))
+        assert torch.equal(out, ref)
+    assert len(slots._plans) <= _reparam._PLANS_KEPT
