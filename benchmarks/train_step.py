@@ -314,7 +314,11 @@ def build_fmp(model: torch.nn.Module, batch, device: str, mode: str, loss_of,
         # two graphs (loss fwd/bwd partitioned by AOTAutograd, then the update), or with
         # "_whole" one graph of torch.func.grad; fullgraph=True + known workarounds;
         # "_ro": mode="reduce-overhead" (inductor's CUDA graphs, per graph)
+        # "_eagerupd": only the loss compiled, the update phase eager (torch's fused
+        # in-place kernels for the donated step; no inductor compile of the update)
         kw = {"mode": "reduce-overhead"} if "_ro" in mode else {}
+        if "_eagerupd" in mode:
+            kw["update"] = "eager"
         step_fn = fmp.compile(step_fn, whole_graph="whole" in mode, **kw)
     if "graph" in mode:
         # fmp.cuda_graph: warm-up on a side stream (training the state, as torch's recipe

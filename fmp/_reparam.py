@@ -134,11 +134,16 @@ class Slots:
         module lacks) is worked out once per set of names; each call checks the values."""
         buffers = buffers or {}
         key = (tuple(params), tuple(buffers))
-        shape = self._plans.get(key)
-        if shape is None:
-            if len(self._plans) >= _PLANS_KEPT:  # callers whose names vary call by call
-                self._plans.clear()
-            shape = self._plans[key] = self._plan_names(params, buffers)
+        if torch.compiler.is_compiling():
+            # traced, the cache would be guarded on: its key absent at the first trace and
+            # present after it, the loss graph would recompile on the second call
+            shape = self._plan_names(params, buffers)
+        else:
+            shape = self._plans.get(key)
+            if shape is None:
+                if len(self._plans) >= _PLANS_KEPT:  # callers whose names vary call by call
+                    self._plans.clear()
+                shape = self._plans[key] = self._plan_names(params, buffers)
         if shape is False:
             return None
         firsts, ties = shape
