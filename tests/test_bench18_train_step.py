@@ -106,6 +106,28 @@ def test_ratios_on_a_synthetic_run():
     assert r["fmp_host_syncs_per_step"] == 0
 
 
+def test_ratios_take_the_faster_fmp_graph_and_its_build_time():
+    """The eager-update graph counts where it is the faster fmp step (its build time then
+    is the compile-time ratio's); the other's build time is reported beside."""
+    res = {"gpt": {
+        "amp_graph_fp16": _r(36.0, peak=10.0, compile_s=40.0),
+        "fmp_fp16_graph": _r(35.0, peak=9.0, compile_s=120.0),
+        "fmp_fp16_graph_eagerupd": _r(34.0, peak=9.5, compile_s=50.0),
+        "amp_graph_bf16": _r(35.0, peak=9.0, compile_s=30.0),
+        "fmp_bf16_graph": _r(33.0, peak=9.0, compile_s=90.0),
+        "fmp_bf16_graph_eagerupd": _r(34.5, peak=9.0, compile_s=45.0),
+    }}
+    r = train_step.ratios(res, {})
+    assert r["fmp_graph_variant_fp16"] == "fmp_fp16_graph_eagerupd"
+    assert r["fmp_graph_vs_torch_amp_graph_fp16"] == pytest.approx(36.0 / 34.0)
+    assert r["fmp_graph_peak_mem_vs_torch_amp_graph_fp16"] == pytest.approx(0.95)
+    assert r["fmp_graph_variant_bf16"] == "fmp_bf16_graph"
+    assert r["fmp_graph_vs_torch_amp_graph_bf16"] == pytest.approx(35.0 / 33.0)
+    assert r["fmp_eagerupd_compile_time_vs_torch_amp_graph_bf16"] == pytest.approx(1.5)
+    assert r["fmp_compile_time_variants"] == ["fmp_bf16_graph", "amp_graph_bf16"]
+    assert r["fmp_compile_time_vs_torch_amp_graph"] == pytest.approx(3.0)
+
+
 def test_time_steps_window_runs_the_steps_again_back_to_back():
     calls = []
 
