@@ -59,7 +59,8 @@ def _sync(device: str) -> None:
 
 def time_steps(step: Step, device: str, warmup: int, steps: int,
                on_warm: Callable[[], None] | None = None,
-               window: list[float] | None = None) -> tuple[list[float], float]:
+               window: list[float] | None = None,
+               warm_loss: list[float] | None = None) -> tuple[list[float], float]:
     """Per-step milliseconds (device events on CUDA) and the loss after the last step.
 
     Each timed step is bracketed by its own events and waited for, so a step's host work
@@ -72,6 +73,8 @@ def time_steps(step: Step, device: str, warmup: int, steps: int,
 
     ``on_warm`` is called once the warm-up steps have finished on the device, just before
     the first timed step (the variant's build-to-first-timed-step wall time ends there).
+    With ``warm_loss`` (a list), the loss after the warm-up is appended to it (read after
+    the device finished the warm-up, before ``on_warm``).
     """
     loss = None
 
@@ -94,6 +97,8 @@ def time_steps(step: Step, device: str, warmup: int, steps: int,
     for _ in range(warmup):
         loss = step()
     _sync(device)
+    if warm_loss is not None and loss is not None:
+        warm_loss.append(float(loss))
     if on_warm is not None:
         on_warm()
     times = [run(1) for _ in range(steps)]
@@ -531,9 +536,10 @@ def _run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
     try:
         step, info = build(model_name, variant, args.device, args.tiny)
         window: list[float] = []
+        warm_loss: list[float] = []
         ms, loss = time_steps(step, args.device, args.warmup, args.steps,
                               on_warm=lambda: warm_at.append(time.perf_counter()),
-                              window=window)
+                              window=window, warm_loss=warm_loss)
         extra = step.report() if hasattr(step, "report") else {}
         syncs = count_syncs(step, args.device)
     except Exception as e:  # a variant that cannot run is reported, not fatal
@@ -563,7 +569,10 @@ def _run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
          "compile_s": warm_at[0] - t0,
          # training steps before the reported loss (the loss check compares at this count)
          "train_steps": (info["train_steps_in_build"] + args.warmup + args.steps
-                         + (args.steps if window else 0)), **extra}
+                         + (args.steps if window else 0)),
+         # the loss after the build's steps and the warm-up, where the loss check is sharp
+         "warm_loss": warm_loss[0] if warm_loss else None,
+         "warm_steps": info["train_steps_in_build"] + args.warmup, **extra}
     if "graphed" in info:
         r["graphed"] = info["graphed"]
     if args.device == "cuda":
@@ -631,13 +640,18 @@ def run_isolated(model_name: str, variant: str, args) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- loss check
-# A variant's loss after its training steps against the eager torch.amp step of the same
-# precision after as many steps (same seed, same model init, same batch every step). 2%:
-# correct variants of the GPT-2 step landed within 0.5% of each other after 25-28 steps
-# (h200-latest.json: 9.504-9.550) while training moved the loss 12% from its start (10.83),
-# so a NaN, an update that does not happen or a step that trains on other weights is far
-# outside, and rounding differences between kernels (fp16 or bf16) stay inside.
-LOSS_RTOL = 0.02
+# A variant's losses against the eager torch.amp step of the same precision after as many
+# steps (same seed, same model init, same batch every step), at two points:
+# - after the warm-up (5-8 steps): LOSS_RTOL, 0.5%. There the GPT-2 trajectories are smooth
+#   (the fp16 and bf16 references agree within 0.02% at steps 5-8, 2026-12-07) and training
+#   has moved the loss 5-9% from its start, so a NaN, an update that does not happen or a
+#   step that trains on other weights is far outside.
+# - after the last step (48 with the back-to-back window): FINAL_RTOL, 10%, a coarse check
+#   (and NaN/inf). Past ~15 steps at lr 3e-4 the loss spikes and rounding differences grow:
+#   on an H100 on 2026-12-07 the fp16 and bf16 references stood 4% apart at step 48, and
+#   correct variants landed 9.03-9.53, so 2% there marked correct steps invalid.
+LOSS_RTOL = 0.005
+FINAL_RTOL = 0.10
 
 
 def precision_of(variant: str) -> str:
@@ -664,15 +678,27 @@ def reference_losses(model_name: str, precision: str, n: int, args) -> list[floa
     return out
 
 
+def _rel(a: float | None, b: float) -> float | None:
+    if a is None or not (math.isfinite(a) and math.isfinite(b)) or b == 0:
+        return None
+    return abs(a - b) / abs(b)
+
+
 def check_losses(res: dict[str, dict[str, Any]], refs: dict[str, dict[str, list[float]]],
-                 rtol: float = LOSS_RTOL) -> None:
-    """Mark every result ``invalid`` whose loss departs from its reference beyond ``rtol``.
+                 rtol: float = LOSS_RTOL, final_rtol: float = FINAL_RTOL) -> None:
+    """Mark every result ``invalid`` whose losses depart from its reference's.
+
+    Where a result has its loss after the warm-up (``warm_loss`` after ``warm_steps``),
+    that one must be within ``rtol`` and the last one (``loss`` after ``train_steps``)
+    finite and within ``final_rtol``; a result without it is held to ``rtol`` at the end.
 
     Args:
-        res: ``{model: {variant: result}}``; results get ``loss_ref``, ``loss_rel_err``,
-            ``invalid`` (True or False), or ``loss_check: "no reference"``.
+        res: ``{model: {variant: result}}``; results get ``loss_ref``, ``loss_rel_err``
+            (and ``warm_loss_ref``, ``warm_loss_rel_err``), ``invalid`` (True or False), or
+            ``loss_check: "no reference"``.
         refs: ``{model: {precision: [loss after step 1, 2, ...]}}``.
-        rtol: the relative tolerance.
+        rtol: the relative tolerance after the warm-up.
+        final_rtol: the relative tolerance after the last step.
     """
     for m, vs in res.items():
         for v, r in vs.items():
@@ -685,10 +711,14 @@ def check_losses(res: dict[str, dict[str, Any]], refs: dict[str, dict[str, list[
                 continue
             ref = traj[n - 1]
             r["loss_ref"], r["loss_ref_variant"] = ref, reference_variant(precision_of(v))
-            finite = math.isfinite(r["loss"]) and math.isfinite(ref)
-            err = abs(r["loss"] - ref) / abs(ref) if finite and ref != 0 else None
-            r["loss_rel_err"] = err
-            r["invalid"] = err is None or err > rtol
+            err = r["loss_rel_err"] = _rel(r["loss"], ref)
+            w = r.get("warm_steps")
+            if r.get("warm_loss") is None or not w or w > len(traj):
+                r["invalid"] = err is None or err > rtol
+                continue
+            r["warm_loss_ref"] = traj[w - 1]
+            werr = r["warm_loss_rel_err"] = _rel(r["warm_loss"], traj[w - 1])
+            r["invalid"] = werr is None or werr > rtol or err is None or err > final_rtol
 
 
 def _loss_references(res: dict[str, dict[str, Any]], args) -> dict[str, dict[str, list]]:
