@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -57,15 +58,39 @@ def _copy_into(what: str, dst: Any, src: Any) -> None:
         foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
+def _tensor_refs(tree: Any) -> tuple[Any, list[Any]] | None:
+    """Weak references to ``tree``'s tensor leaves and its treespec (None for None): what
+    recognises that very state later without keeping its memory alive."""
+    if tree is None:
+        return None
+    leaves, spec = optree.tree_flatten(tree)
+    return spec, [weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+
+
+def _is_state(refs: tuple[Any, list[Any]] | None, tree: Any) -> bool:
+    """``tree`` is the state ``refs`` were taken of: same structure, the same tensors."""
+    if refs is None:
+        return False
+    spec, wanted = refs
+    leaves, got = optree.tree_flatten(tree)
+    if got != spec or not any(isinstance(w, weakref.ref) for w in wanted):
+        return False
+    return all((w() is x) if isinstance(w, weakref.ref) else True
+               for w, x in zip(wanted, leaves, strict=True))
+
+
 class GraphedStep:
     """A train step captured in one CUDA graph: ``state, metrics = graphed(state, *batch)``.
 
     Made by :func:`cuda_graph`. A call copies the batch into the graph's input tensors,
     replays the graph and writes the new state into the graph's state tensors, which it
     returns: pass that state back in and nothing else is copied. Any other state of the
-    same structure is copied in first (its compute copy rebuilt from its params).
-    ``metrics`` are the graph's output tensors, overwritten by the next call: clone what
-    you keep.
+    same structure is copied in first (its compute copy rebuilt from its params), except
+    the state that ``cuda_graph(..., warmup_trains=True)`` consumed: its warm-up wrote part
+    of it in place (params, moments) and left the rest (counters) behind, so passing it
+    continues from the graph's state, as a training loop that keeps its ``state`` variable
+    expects. ``metrics`` are the graph's output tensors, overwritten by the next call:
+    clone what you keep.
 
     Attributes:
         graph: the ``torch.cuda.CUDAGraph``.
@@ -73,9 +98,10 @@ class GraphedStep:
     """
 
     def __init__(self, graph: torch.cuda.CUDAGraph, state: Any, batch: tuple[Any, ...],
-                 out: Any, metrics: dict[str, Any]) -> None:
+                 out: Any, metrics: dict[str, Any], consumed: Any = None) -> None:
         self.graph = graph
         self.state = state
+        self._consumed = _tensor_refs(consumed)
         self._batch = batch
         self._metrics = metrics
         s_leaves, s_spec = optree.tree_flatten(state)
@@ -105,7 +131,7 @@ class GraphedStep:
             ValueError: the batch (or a state passed in) differs from the captured one
                 in structure, dtype or shape.
         """
-        if state is not self.state:
+        if state is not self.state and not _is_state(self._consumed, state):
             self._load(state)
         _copy_into("batch", self._batch, batch)
         self.graph.replay()
@@ -125,7 +151,9 @@ def cuda_graph(step: Callable[..., Any], state: Any, *batch: Any, warmup: int = 
     capture needs (lazy initialisation, compilation) run on a side stream, on a copy of
     ``state`` (so they do not train it), or with ``warmup_trains=True`` on ``state``
     itself, as torch's CUDA-graph recipe does (they train it on the example batch and
-    save the memory of the copy). The capture itself runs nothing.
+    save the memory of the copy). The capture itself runs nothing. With
+    ``warmup_trains=True``, ``state`` is consumed: passing it to the graph again continues
+    from the trained state (nothing of it is loaded).
 
     The graph is captured with ``batch``'s shapes and dtypes; call it with batches of the
     same (non-tensor values, e.g. Python numbers, are fixed at capture). With a donated
@@ -161,6 +189,7 @@ def cuda_graph(step: Callable[..., Any], state: Any, *batch: Any, warmup: int = 
     phases = step.step if isinstance(step, CompiledStep) else step
     if not isinstance(phases, TrainStep):
         phases = None  # a plain callable: no phases to prepare the state with
+    consumed = state if warmup_trains else None  # what the caller may pass again
     if phases is not None:  # the copy the graph reads: current now, so no cast is captured
         state = phases.prepare(phases.private(state))  # and nothing of the module's written
     static_batch = _clone(batch)
@@ -186,4 +215,4 @@ def cuda_graph(step: Callable[..., Any], state: Any, *batch: Any, warmup: int = 
         # the step keeps no copy (a whole-graph trace), or made one inside the capture
         # (which then recasts on every replay): the graph's state holds what it returns
         state = state._replace(compute_params=out.compute_params)
-    return GraphedStep(graph, state, static_batch, out, metrics)
+    return GraphedStep(graph, state, static_batch, out, metrics, consumed=consumed)

@@ -97,3 +97,60 @@ def test_warmup_trains_when_asked_and_bad_batches_are_named():
     with pytest.raises(ValueError, match=r"batch leaf 0 is torch.float32 \(32, 8\); the "
                                          r"graph was captured with torch.float32 \(64, 8\)"):
         graphed(graphed.state, x[:32], y[:32], _factor(0))
+
+
+class _Replay:
+    """A stand-in for torch.cuda.CUDAGraph on the CPU: replay runs ``fn``."""
+
+    def __init__(self, fn) -> None:
+        self.replay = fn
+
+
+def test_the_state_consumed_by_a_training_warm_up_is_not_loaded_again():
+    """cuda_graph(..., warmup_trains=True) consumes the state it is given: its warm-up
+    wrote the params in place but the counters are new tensors, so the old state object
+    is half trained. Passed again (README's loop: ``state, m = graphed(state, ...)``), it
+    must continue from the graph's state, not reset the counters to the old ones (on an
+    H100 that restarted Adam's bias correction after the warm-up: a 1% different loss)."""
+    w = torch.ones(3)
+    consumed = {"w": w, "count": torch.tensor(0)}       # as the caller still holds it
+    graph_state = {"w": w, "count": torch.tensor(3)}    # after three warm-up steps
+    out = {"w": w, "count": torch.tensor(0)}            # the captured step's result
+
+    def replay():  # what the captured step does: count + 1 into its output
+        out["count"].copy_(graph_state["count"] + 1)
+
+    g = fmp.GraphedStep(_Replay(replay), graph_state, (), out, {}, consumed=consumed)
+    s, _ = g(consumed)
+    assert s is graph_state and int(s["count"]) == 4    # not reset to 0 before the step
+    s, _ = g(s)
+    assert int(s["count"]) == 5
+    other = {"w": torch.full((3,), 2.0), "count": torch.tensor(7)}
+    s, _ = g(other)                                     # any other state is copied in
+    assert int(s["count"]) == 8 and torch.equal(s["w"], torch.full((3,), 2.0))
+    # without a consumed state (warmup_trains=False) a state passed in is always loaded
+    graph_state["count"].fill_(3)
+    g = fmp.GraphedStep(_Replay(replay), graph_state, (), out, {})
+    s, _ = g(consumed)
+    assert int(s["count"]) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("update", ["eager", "compiled"])
+def test_warm_up_that_trains_then_the_callers_own_state_continues_exactly(update):
+    """The README loop after a training warm-up, with the donated step whose fused
+    update writes params and moments in place and makes a new count: the graph keeps
+    the eager step's trajectory (count, moments, params) step for step."""
+    step, state, x, y = _make(True)
+    ref_step, ref, _, _ = _make(True)
+    stepper = fmp.compile(step, update=update)
+    graphed = fmp.cuda_graph(stepper, state, x, y, _factor(9), warmup=3, warmup_trains=True)
+    for _ in range(3):
+        ref, _ = ref_step(ref, x, y, _factor(9))
+    for i in range(4):
+        ref, ref_m = ref_step(ref, x, y, _factor(i))
+        state, m = graphed(state, x, y, _factor(i))
+        assert bool(m["skipped"]) == bool(ref_m["skipped"]) == (i == 2)
+        assert int(state.opt_state.count) == int(ref.opt_state.count) == 3 + i + (i < 2)
+        torch.testing.assert_close(state.params, ref.params, rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(state.opt_state, ref.opt_state, rtol=1e-3, atol=1e-4)
