@@ -5,7 +5,8 @@
 #   bash benchmarks/device_owed.sh eager   # eager rows incl. _halfnorm (3 rounds), the ResNet-50
 #                                          # kernel breakdown amp vs fmp, float8 memory sites
 #   bash benchmarks/device_owed.sh compiled eager-rows breakdown f8mem   # parts, in one call
-#   (batched: the CUDA tests of the grouped buffer clone and select, fmp/_batched.py)
+#   (batched: the CUDA tests of the grouped buffer clone and select, fmp/_batched.py;
+#    graph: the six GPT-2 graph variants of issue 18, ~430 s)
 # (tests = compiled + bisect + cuda; eager = eager-rows + breakdown + f8mem)
 # carry [".whl", "out"] (optree, torchao wheels; see the device README's Notes). Logs and JSON in $OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -40,6 +41,10 @@ done
 cuda)
 timeout $((575 - SECONDS)) python3 -m pytest $P -m cuda tests/ --durations=12 --deselect "$T" 2>&1 | tee $OUT/cuda_all.log | tail -30
 ;;
+graph)
+# issue 18: the GPT-2 graph steps, compiled and eager (fused) update, against torch.amp's
+timeout $((585 - SECONDS)) python3 benchmarks/train_step.py --isolate --variant-timeout 200 --no-unscale --models gpt --gpt-variants fmp_fp16_graph_eagerupd,amp_graph_fp16,fmp_fp16_graph,fmp_bf16_graph_eagerupd,amp_graph_bf16,fmp_bf16_graph --steps 20 --warmup 5 --out $OUT/graph --machine dev 2>&1 | grep -v DEBUG | tail -40
+;;
 eager-rows)
 timeout 200 python3 benchmarks/train_step.py --models gpt,resnet --gpt-variants amp_fp16_eager,fmp_fp16_eager_donate,fmp_fp16_eager_donate_halfnorm,apex_o2 --resnet-variants amp_fp16_eager,fmp_fp16_eager_donate,apex_o2 --steps 20 --rounds 3 --no-unscale --out $OUT/eager --machine dev 2>&1 | grep -v DEBUG | tail -25
 ;;
@@ -52,7 +57,7 @@ timeout 150 python3 benchmarks/breakdown.py --variants resnet:amp_fp16_eager,res
 f8mem)
 (cd benchmarks && timeout $((590 - SECONDS)) python3 float8.py --steps 4 --warmup 2 --variants amp_bf16,fmp_bf16 --memory-sites --budget-s $((560 - SECONDS)) --json $OUT/f8mem.json 2>&1 | grep -v DEBUG | tail -30)
 ;;
-*) echo "usage: $0 tests|eager|compiled|bisect|cuda|batched|eager-rows|breakdown|f8mem ..."; exit 2 ;;
+*) echo "usage: $0 tests|eager|compiled|bisect|cuda|batched|graph|eager-rows|breakdown|f8mem ..."; exit 2 ;;
 esac
 done
 exit $rc

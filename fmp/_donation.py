@@ -35,6 +35,45 @@ class _Gone:
 _NO_REF = weakref.ref(_Gone())
 
 
+#: id -> weak reference of the step counter of each state a donated step consumed: a state
+#: that still holds one is half updated (params and moments written in place, counters not)
+_CONSUMED: dict[int, weakref.ref] = {}
+
+
+def _forget(ref: weakref.ref, key: int) -> None:
+    if _CONSUMED.get(key) is ref:
+        del _CONSUMED[key]
+
+
+def consume(step: Any) -> None:
+    """Mark the state whose step counter is ``step`` as consumed by a donated step."""
+    if isinstance(step, torch.Tensor):
+        key = id(step)
+        _CONSUMED[key] = weakref.ref(step, lambda r, k=key: _forget(r, k))
+
+
+def release(step: Any) -> None:
+    """Undo :func:`consume`: the state is whole again (a CUDA graph's state, which every
+    replay updates entirely)."""
+    if isinstance(step, torch.Tensor):
+        _CONSUMED.pop(id(step), None)
+
+
+def check_not_consumed(step: Any, where: str) -> None:
+    """Raise where ``step`` is the counter of a state a donated step consumed.
+
+    Raises:
+        ValueError: naming ``where`` and the state's step, and what to pass instead.
+    """
+    r = _CONSUMED.get(id(step)) if isinstance(step, torch.Tensor) else None
+    if r is not None and r() is step:
+        raise ValueError(
+            f"{where}: this state (step {int(step)}) was already consumed by a donated step "
+            "(donate=True), which wrote its params and moments in place but not its "
+            "counters: it is half updated. Pass the state the last call returned, or build "
+            "the step with donate=False to keep old states usable")
+
+
 def _owned(x: torch.Tensor) -> bool:
     r = _OWNED.get(id(x))
     return r is not None and r() is x

@@ -12,7 +12,7 @@ import torch
 
 from fmp._batched import copy_groups, foreach_copy_
 from fmp._compile import CompiledStep
-from fmp._donation import prepared_on_host
+from fmp._donation import prepared_on_host, release
 from fmp._step_trees import donate_into
 from fmp._step_type import TrainStep
 from fmp.step import TrainState
@@ -210,6 +210,8 @@ def cuda_graph(step: Callable[..., Any], state: Any, *batch: Any, warmup: int = 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), prepared():
         out, metrics = step(state, *static_batch)
+    if isinstance(state, TrainState):  # the capture consumed it; each replay makes it whole
+        release(state.step)
     if isinstance(state, TrainState) and isinstance(out, TrainState) and (
             (state.compute_params is None) != (out.compute_params is None)):
         # the step keeps no copy (a whole-graph trace), or made one inside the capture

@@ -17,7 +17,7 @@ import torch
 from fmp._batch_cast import CastBatch, check_cast_batch, warn_cast_overflow
 from fmp._checks import check_param_policies
 from fmp._compute_copy import CopyStamps
-from fmp._donation import claim, host_prepared
+from fmp._donation import check_not_consumed, claim, consume, host_prepared
 from fmp._eager import eager_kernels_ok
 from fmp._grad import grad_with_aux
 from fmp._step_trees import (
@@ -266,6 +266,7 @@ def build_train_step(
             _float8.check_no_delayed(state.float8)
         cast_p.resolve(state.params)
         if donate and not torch.compiler.is_compiling():
+            check_not_consumed(state.step, "fmp.train_step")
             state = private_state(state)
         elif donate and not host_prepared():
             raise RuntimeError(
@@ -278,6 +279,8 @@ def build_train_step(
             warn_cast_overflow(batch, {}, pol.compute_dtype, cast_batch, "fmp.train_step")
         state = prepare(state)
         new_state, metrics = update_impl(state, batch, *grad_phase(state, batch, loss_impl))
+        if donate and not torch.compiler.is_compiling():
+            consume(state.step)
         if state.compute_params is not None:
             if (new_state.params is state.params
                     and new_state.compute_params is state.compute_params):
