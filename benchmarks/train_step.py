@@ -780,7 +780,7 @@ def ratios(res: dict[str, dict[str, Any]], unscale: dict[str, float]) -> dict[st
         return (f"fmp_{p}_graph", f"fmp_{p}_graph_eagerupd")
 
     for p in ("fp16", "bf16"):
-        g = best("gpt", graphs(p)) or f"fmp_{p}_graph"
+        g = best("gpt", graphs(p))  # None where neither ran valid: no ratio, no name
         out[f"fmp_graph_vs_torch_amp_graph_{p}"] = ratio("gpt", g, f"amp_graph_{p}")
         out[f"fmp_graph_peak_mem_vs_torch_amp_graph_{p}"] = frac(
             "gpt", g, f"amp_graph_{p}", "peak_gb")

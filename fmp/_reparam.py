@@ -133,12 +133,12 @@ class Slots:
         What depends on the names alone (which slots, which names are tied, which the
         module lacks) is worked out once per set of names; each call checks the values."""
         buffers = buffers or {}
-        key = (tuple(params), tuple(buffers))
         if torch.compiler.is_compiling():
             # traced, the cache would be guarded on: its key absent at the first trace and
             # present after it, the loss graph would recompile on the second call
             shape = self._plan_names(params, buffers)
         else:
+            key = (tuple(params), tuple(buffers))
             shape = self._plans.get(key)
             if shape is None:
                 if len(self._plans) >= _PLANS_KEPT:  # callers whose names vary call by call

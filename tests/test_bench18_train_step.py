@@ -168,6 +168,7 @@ def test_invalid_variants_are_marked_and_left_out_of_the_ratios():
     assert "invalid" not in g["amp_fp16_eager"]
     r = train_step.ratios(res, {})
     assert "fmp_graph_vs_torch_amp_graph_fp16" not in r  # fmp's fp16 graph is invalid
+    assert "fmp_graph_variant_fp16" not in r  # and no variant is named for it
     assert "fmp_graph_vs_torch_amp_graph_bf16" not in r  # the bf16 peer is invalid
     assert r["invalid_variants_left_out"] == ["gpt:amp_graph_bf16", "gpt:fmp_fp16_graph"]
     assert r["fmp_best_variant"] == "fmp_bf16_graph"
