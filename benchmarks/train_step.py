@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -107,19 +108,35 @@ def time_steps(step: Step, device: str, warmup: int, steps: int,
     return times, float(loss)
 
 
-def count_syncs(step: Step, device: str) -> int | None:
+def count_syncs(step: Step, device: str, sites: list[str] | None = None) -> int | None:
+    """Host syncs of one step (torch's sync debug mode); ``sites`` gets where each was
+    raised (the innermost Python frames), to tell the harness's from the library's."""
     if device != "cuda":
         return None
     _sync(device)
-    with warnings.catch_warnings(record=True) as rec:
+    n = 0
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        nonlocal n
+        if "synchroniz" not in str(message):
+            return
+        n += 1
+        if sites is not None and len(sites) < 4:
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if not f.filename.endswith("warnings.py")][-6:]
+            sites.append(f"{str(message)[:60]} <- " + " <- ".join(
+                f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames)))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     _sync(device)
-    return sum("synchroniz" in str(w.message) for w in rec)
+    return n
 
 
 def bf16_peak_tflops(device: str) -> float | None:
@@ -541,7 +558,8 @@ def _run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
                               on_warm=lambda: warm_at.append(time.perf_counter()),
                               window=window, warm_loss=warm_loss)
         extra = step.report() if hasattr(step, "report") else {}
-        syncs = count_syncs(step, args.device)
+        sync_sites: list[str] = []
+        syncs = count_syncs(step, args.device, sync_sites)
     except Exception as e:  # a variant that cannot run is reported, not fatal
         if ("compiled" in variant or "graph" in variant) and not getattr(args, "_retry", False):
             # torch 2.11's inductor asserted in loop reordering on a whole-step graph for
@@ -575,6 +593,8 @@ def _run_variant(model_name: str, variant: str, args) -> dict[str, Any]:
          "warm_steps": info["train_steps_in_build"] + args.warmup, **extra}
     if "graphed" in info:
         r["graphed"] = info["graphed"]
+    if sync_sites:
+        r["sync_sites"] = sync_sites
     if args.device == "cuda":
         # the variant's own peak: model, state, compile, graphs, steps (not what is left
         # of earlier variants, which _fresh could not free)
