@@ -16,11 +16,14 @@ torch.optim.AdamW); ``torchao_tensorwise`` / ``torchao_rowwise`` (torchao's
 ``convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name``, then the same
 compiled autocast step); ``fmp_bf16`` (fmp.train_step "bf16-mixed", donated, fmp.compile);
 ``fmp_fp8_dynamic`` / ``fmp_fp8_delayed`` (fmp.float8.convert + init, TrainState float8=...,
-the same fmp step); ``fmp_fp8_best_graph``: the faster of those two again under
-fmp.cuda_graph (resolved after both ran, reported under its own name, e.g.
-``fmp_fp8_delayed_graph``). The tied lm head (``head``, which shares the embedding's
-weight) stays in bf16 in every float8 variant (torchtitan's filter leaves the output
-projection out as well); every block linear (qkv, proj, fc, out) is converted.
+the same fmp step); an fmp variant named with ``_eagerupd`` (``fmp_bf16_eagerupd``,
+``fmp_fp8_dynamic_eagerupd``, ...) is built with ``fmp.compile(update="eager")``: the loss
+compiled, the update phase torch's fused in-place AdamW; ``fmp_fp8_best_graph``: the fastest
+fmp float8 variant that ran, again under fmp.cuda_graph (resolved after those ran, reported
+under its own name, e.g. ``fmp_fp8_delayed_eagerupd_graph``). The tied lm head (``head``,
+which shares the embedding's weight) stays in bf16 in every float8 variant (torchtitan's
+filter leaves the output projection out as well); every block linear (qkv, proj, fc, out)
+is converted.
 
 Per variant: median step time over the steps after ``--warmup`` (CUDA events recorded
 back to back, no sync between steps), tokens/s, peak memory (its own process), the loss
@@ -61,10 +64,13 @@ import fmp
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ["amp_bf16", "torchao_tensorwise", "torchao_rowwise", "fmp_fp8_dynamic",
-            "fmp_fp8_delayed", "fmp_fp8_best_graph", "fmp_bf16"]
+            "fmp_fp8_delayed", "fmp_fp8_dynamic_eagerupd", "fmp_fp8_best_graph", "fmp_bf16",
+            "fmp_bf16_eagerupd"]
 TORCHAO = ("torchao_tensorwise", "torchao_rowwise")
-FMP_FP8 = ("fmp_fp8_dynamic", "fmp_fp8_delayed", "fmp_fp8_dynamic_graph",
-           "fmp_fp8_delayed_graph")
+EAGER_UPD = "_eagerupd"  # fmp.compile(update="eager"): the loss compiled, torch's fused update
+FMP_FP8 = tuple(f"fmp_fp8_{r}{u}{g}" for r in ("dynamic", "delayed") for u in ("", EAGER_UPD)
+                for g in ("", "_graph"))
+FMP_BF16 = ("fmp_bf16", "fmp_bf16" + EAGER_UPD)
 LOSS_TAIL = 10
 BETAS, WD = (0.9, 0.95), 0.1
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, y) -> loss (no sync)
@@ -336,7 +342,7 @@ def build_fmp(model: torch.nn.Module, variant: str, args, lr: float,
                           weight_decay=WD)
     step_fn = fmp.train_step(loss_fn, opt, "bf16-mixed", donate=True)
     if not args.no_compile:
-        step_fn = fmp.compile(step_fn)
+        step_fn = fmp.compile(step_fn, update="eager" if EAGER_UPD in variant else "compiled")
     extra = {"float8": f8} if f8 is not None else {}
     # donate=True: the step writes into the module's tensors (no second copy of the params)
     holder = {"state": fmp.TrainState.create(params, opt, None, donate=True, **extra)}
@@ -418,7 +424,7 @@ def ratios(res: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return min(ok, key=ms) if ok else None
 
     out: dict[str, Any] = {}
-    f, t, a = best(FMP_FP8), best(TORCHAO), ms("amp_bf16")
+    f, t, a, b = best(FMP_FP8), best(TORCHAO), ms("amp_bf16"), best(FMP_BF16)
     if f and t:
         out["fmp_fp8_vs_torchao_float8"] = ms(t) / ms(f)
     if f and a:
@@ -426,9 +432,10 @@ def ratios(res: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["fmp_fp8_loss_vs_bf16"] = rel_diff(res[f]["loss"], res["amp_bf16"]["loss"])
     if t and a:
         out["torchao_float8_vs_torch_amp_bf16"] = a / ms(t)
-    if a and ms("fmp_bf16"):
-        out["fmp_bf16_vs_torch_amp_bf16"] = a / ms("fmp_bf16")
+    if a and b:
+        out["fmp_bf16_vs_torch_amp_bf16"] = a / ms(b)
     out["fmp_fp8_variant"], out["torchao_float8_variant"] = f, t
+    out["fmp_bf16_variant"] = b
     if a:
         out["loss_vs_bf16"] = {v: rel_diff(res[v]["loss"], res["amp_bf16"]["loss"])
                                for v in res if v != "amp_bf16" and ms(v)}
@@ -488,9 +495,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.child:
         return child_entry(args, run_variant)
     names = [v for v in args.variants.split(",") if v]
-    bad = [v for v in names if v not in VARIANTS and v not in FMP_FP8]
+    known = list(dict.fromkeys(VARIANTS + list(FMP_FP8) + list(FMP_BF16)))
+    bad = [v for v in names if v not in known]
     if bad:
-        ap.error(f"unknown variants {bad}; accepted: {VARIANTS + list(FMP_FP8[2:])}")
+        ap.error(f"unknown variants {bad}; accepted: {known}")
     c = gpt_config(args)
     est = {v: estimate_s(args, v) for v in names}
     print(f"float8 bench: {c}, batch {args.batch or (2 if args.tiny else 8)}, "
@@ -501,13 +509,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res: dict[str, dict[str, Any]] = {}
     for v in names:
         if v == "fmp_fp8_best_graph":
-            base = min((u for u in ("fmp_fp8_dynamic", "fmp_fp8_delayed")
-                        if "ms" in res.get(u, {})), key=lambda u: res[u]["ms"], default=None)
+            base = min((u for u in FMP_FP8 if not u.endswith("_graph")
+                        and "ms" in res.get(u, {})), key=lambda u: res[u]["ms"], default=None)
             v = f"{base}_graph" if base else v
         why = skip_reason(v, args)
         left = args.budget_s - (time.perf_counter() - t_start)
         if why is None and v == "fmp_fp8_best_graph":
-            why = "neither fmp_fp8_dynamic nor fmp_fp8_delayed ran"
+            why = "no fmp float8 variant ran before it"
         if why is None and left < 0.6 * est.get(v, est.get("fmp_fp8_best_graph", 0)):
             why = f"budget: {left:.0f} s left of {args.budget_s:.0f}"
         if why:

@@ -27,7 +27,7 @@ def test_tiny_run_in_process_every_variant(tmp_path):
     out = float8.main([*TINY, "--in-process", "--json", str(path)])
     assert json.loads(path.read_text()) == json.loads(json.dumps(out))
     res = out["results"]
-    for v in ("amp_bf16", "fmp_bf16"):
+    for v in ("amp_bf16", "fmp_bf16", "fmp_bf16_eagerupd"):
         assert "error" not in res[v], res[v]
         assert res[v]["float8_linears"] == 0 and res[v]["ms"] > 0
     for v in float8.TORCHAO:
@@ -36,7 +36,7 @@ def test_tiny_run_in_process_every_variant(tmp_path):
             assert res[v]["float8_linears"] == 8  # 2 blocks x (qkv, proj, fc, out); not head
         else:
             assert res[v] == {"error": "torchao is not installed", "skipped": True}
-    for v in ("fmp_fp8_dynamic", "fmp_fp8_delayed"):
+    for v in ("fmp_fp8_dynamic", "fmp_fp8_delayed", "fmp_fp8_dynamic_eagerupd"):
         if HAS_FP8:
             assert "error" not in res[v], res[v]
             assert res[v]["float8_linears"] == 8
@@ -123,6 +123,16 @@ def test_ratios_exact():
     assert r["fmp_fp8_loss_vs_bf16"] == pytest.approx(0.01)
     assert r["torchao_float8_vs_torch_amp_bf16"] == 100.0 / 80.0
     assert r["fmp_bf16_vs_torch_amp_bf16"] == 100.0 / 95.0
+    assert r["fmp_bf16_variant"] == "fmp_bf16"
+    # the eager-update forms count as fmp's: the faster of each family is the one compared
+    res["fmp_bf16_eagerupd"] = _r(90.0, 4.0)
+    res["fmp_fp8_delayed_eagerupd_graph"] = _r(60.0, 4.0)
+    r = float8.ratios(res)
+    assert r["fmp_bf16_vs_torch_amp_bf16"] == 100.0 / 90.0
+    assert r["fmp_bf16_variant"] == "fmp_bf16_eagerupd"
+    assert r["fmp_fp8_variant"] == "fmp_fp8_delayed_eagerupd_graph"
+    assert r["fmp_fp8_vs_torchao_float8"] == 80.0 / 60.0
+    del res["fmp_bf16_eagerupd"], res["fmp_fp8_delayed_eagerupd_graph"]
     assert r["loss_vs_bf16"]["fmp_fp8_delayed"] == pytest.approx(0.025)
     # failed or skipped variants take no part; without amp_bf16 no bf16 ratios
     res["fmp_fp8_dynamic_graph"] = {"error": "x"}
