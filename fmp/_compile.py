@@ -132,16 +132,35 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _split_step(step: TrainStep, kwargs: dict[str, Any], loss_fullgraph: bool | None = None,
-                update: str = "compiled") -> Callable[..., Any]:
+                update: str = "compiled", resolved: list[str] | None = None
+                ) -> Callable[..., Any]:
     """A train step as two compiled graphs: the scaled loss (AOTAutograd splits its forward
     and backward; autograd runs the backward) and the update (unscale, check, optimizer,
-    select, loss scale); with ``update="eager"`` the update phase runs uncompiled."""
+    select, loss scale); with ``update="eager"`` the update phase runs uncompiled, with
+    ``"auto"`` as :func:`fmp.compile` says. ``resolved`` gets "compiled" or "eager" once
+    that is known."""
+    resolved = [] if resolved is None else resolved
     loss_c = _LossGraph(_own_code(step.scaled_loss), kwargs, loss_fullgraph)
+
+    def compiled_update() -> Callable[..., Any]:
+        return _patched(torch.compile(_own_code(step.update_phase), **kwargs),
+                        _known(UPDATE_OPTIONS))
+
     if update == "eager":
         update_c = step.update_phase
-    else:
-        update_c = _patched(torch.compile(_own_code(step.update_phase), **kwargs),
-                            _known(UPDATE_OPTIONS))
+        resolved.append("eager")
+    elif update == "compiled":
+        update_c = compiled_update()
+        resolved.append("compiled")
+    else:  # "auto": decided on the first call, from the state it is given
+        chosen: list[Callable[..., Any]] = []
+
+        def update_c(state: Any, *rest: Any) -> Any:
+            if not chosen:
+                fused = step.fused_update is not None and step.fused_update(state)
+                chosen.append(step.update_phase if fused else compiled_update())
+                resolved.append("eager" if fused else "compiled")
+            return chosen[0](state, *rest)
 
     def run(state: Any, *batch: Any) -> Any:
         return step.run(state, batch, loss_c, update_c)
@@ -200,8 +219,10 @@ class CompiledStep:
         step: the :class:`fmp.TrainStep` it compiles.
         whole_graph: compiled as one graph (True) or as the loss and update graphs.
         call: the compiled ``(state, *batch) -> (state, metrics)`` it runs.
-        update: ``"compiled"`` or ``"eager"``: how the two-graph step runs its update
-            phase (see :func:`fmp.compile`).
+        update: ``"compiled"``, ``"eager"`` or ``"auto"``: how the two-graph step runs
+            its update phase, as asked (see :func:`fmp.compile`).
+        resolved: what ``update`` came to (``["compiled"]`` or ``["eager"]``; empty until
+            the first call decides ``"auto"``); read it as :attr:`update_used`.
 
     Example:
         >>> step = fmp.train_step(lambda p, x: (p["w"] * x).sum(), fmp.optim.sgd(0.1))
@@ -213,13 +234,22 @@ class CompiledStep:
     whole_graph: bool
     call: Callable[..., Any]
     update: str = "compiled"
+    resolved: list[str] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def update_used(self) -> str | None:
+        """``"compiled"`` or ``"eager"``: how the update phase runs (None for ``"auto"``
+        before the first call; ``"compiled"`` for ``whole_graph=True``, one graph)."""
+        if self.whole_graph:
+            return "compiled"
+        return self.resolved[0] if self.resolved else None
 
     def __call__(self, state: Any, *batch: Any) -> tuple[Any, dict[str, Any]]:
         """One compiled step: ``(new_state, metrics)``."""
         return self.call(state, *batch)
 
 
-_UPDATES = ("compiled", "eager")
+_UPDATES = ("compiled", "eager", "auto")
 
 
 def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
@@ -253,7 +283,10 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
     cold build (GPT-2 small in one CUDA graph on an H100: built in about 24 s instead of 72
     (fp16) or 118 (bf16), and 0.9-1.0 ms a step faster; benchmarks/RESULTS.md). Otherwise
     the update's foreach ops run one kernel each, which costs GPU time that the compiled
-    update fuses away.
+    update fuses away. ``update="auto"`` decides on the first call, from the state it is
+    given: eager where the update phase would run those fused kernels
+    (:attr:`TrainStep.fused_update`), else compiled; :attr:`CompiledStep.update_used` then
+    says which. Either way the step gives the eager step's results.
 
     The workarounds (:func:`inductor_workarounds`) and options are applied around every call
     (compilation happens on the first calls and on recompiles), as a
@@ -267,8 +300,10 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
         loss_fullgraph: for the two-graph step, the loss phase's ``fullgraph``: None
             (default) tries True and falls back to False with a warning on a graph break;
             True raises on a break; False allows breaks silently.
-        update: for the two-graph step, ``"compiled"`` (default) or ``"eager"`` (the
-            update phase uncompiled: see above).
+        update: for the two-graph step, ``"compiled"`` (default), ``"eager"`` (the
+            update phase uncompiled) or ``"auto"`` (eager where it runs fused, in place;
+            see above). With ``whole_graph=True`` or a function that is not a train step,
+            ``"auto"`` is accepted and means compiled (one graph).
         **kwargs: passed to ``torch.compile`` (``fullgraph`` defaults to True here).
 
     Returns:
@@ -276,7 +311,7 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
         function.
 
     Raises:
-        ValueError: ``update`` is not one of ``"compiled"``, ``"eager"``, or is
+        ValueError: ``update`` is not one of ``"compiled"``, ``"eager"``, ``"auto"``, or is
             ``"eager"`` with ``whole_graph=True`` (one graph holds the update) or with
             ``fn`` not a train step.
 
@@ -299,13 +334,14 @@ def compile(fn: Callable[..., Any], *, whole_graph: bool = False,
             + ("whole_graph=True traces the update into the one graph" if whole_graph
                else f"got {type(fn).__name__}, not a TrainStep"))
     if isinstance(fn, TrainStep):
+        resolved: list[str] = []
         if whole_graph:
             call = _whole_step(fn, kwargs)
         else:
-            call = _split_step(fn, kwargs, loss_fullgraph, update)
+            call = _split_step(fn, kwargs, loss_fullgraph, update, resolved)
             patch.update(STEP_OPTIONS)
         return CompiledStep(step=fn, whole_graph=whole_graph, call=_patched(call, patch),
-                            update=update)
+                            update=update, resolved=resolved)
     compiled = torch.compile(fn, **kwargs)
     if not patch:
         return compiled

@@ -62,6 +62,9 @@ class TrainStep:
             traced whole cannot do).
         stamps: the step's record of the compute copies it wrote (what tells a current copy
             from a stale one; one per step, nothing process-global).
+        fused_update: ``state -> bool``: whether the eager update phase runs torch's fused
+            in-place optimizer kernels on this state (what :func:`fmp.compile`'s
+            ``update="auto"`` asks); None: never.
 
     Example:
         >>> step = fmp.train_step(lambda p, x: (p["w"] * x).sum(), fmp.optim.sgd(0.1))
@@ -75,6 +78,7 @@ class TrainStep:
     prepare: Callable[..., Any]
     private: Callable[..., Any]
     stamps: Any = None
+    fused_update: Callable[[Any], bool] | None = None
 
     def __call__(self, state: Any, *batch: Any) -> tuple[Any, dict[str, Any]]:
         """One step: ``(new_state, metrics)`` (see :func:`fmp.train_step`)."""

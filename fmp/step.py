@@ -308,5 +308,15 @@ def build_train_step(
             cast_p.resolve(state.params)
         return private_state(state) if donate and isinstance(state, TrainState) else state
 
+    def fused_update(state: Any) -> bool:
+        """Whether the eager update phase would run torch's fused in-place kernels on this
+        state (a donated step; uniform params and moments; the params stand in for the
+        grads, which the update phase brings to the params' dtypes and layouts)."""
+        if not (donate and isinstance(state, TrainState) and eager_kernels_ok()):
+            return False
+        return in_place_plan(optimizer, state.params, state.params,
+                             state.opt_state) is not None
+
     return TrainStep(scaled_loss=scaled_loss, update_phase=update_phase, run=run,
-                     prepare=prepare, private=private, stamps=stamps)
+                     prepare=prepare, private=private, stamps=stamps,
+                     fused_update=fused_update)

@@ -80,7 +80,7 @@ def test_the_default_compiles_the_update_too_and_nothing_recompiles():
 def test_bad_update_values_are_named():
     step, _, _, _ = _make()
     with pytest.raises(ValueError, match=r"update='fused' is not accepted; use one of "
-                                         r"'compiled', 'eager'"):
+                                         r"'compiled', 'eager', 'auto'"):
         fmp.compile(step, update="fused")
     with pytest.raises(ValueError, match="whole_graph=True traces the update"):
         fmp.compile(step, update="eager", whole_graph=True)
@@ -88,9 +88,68 @@ def test_bad_update_values_are_named():
         fmp.compile(lambda t: t, update="eager")
 
 
+def test_auto_takes_the_eager_update_where_it_runs_fused_in_place():
+    """A donated adamw step: "auto" comes to eager on the first call (one dynamo graph, the
+    loss), and its states are the eager step's, bit for bit, a skipped step included."""
+    step, state, x, y = _make()
+    ref_step, ref, _, _ = _make()
+    graphs = []
+    cstep = fmp.compile(step, update="auto", backend=_counting_backend(graphs))
+    assert cstep.update == "auto" and cstep.update_used is None  # not decided yet
+    s = state
+    for i in range(3):
+        f = torch.tensor(float("inf") if i == 1 else 1.0)
+        ref, ref_m = ref_step(ref, x, y, f)
+        s, m = cstep(s, x, y, f)
+        assert bool(m["skipped"]) == bool(ref_m["skipped"]) == (i == 1)
+        assert_trees_bit_equal((s.params, s.opt_state, s.loss_scale),
+                               (ref.params, ref.opt_state, ref.loss_scale))
+    assert cstep.update_used == "eager"
+    assert len(graphs) == 1, [g.code[:200] for g in graphs]
+
+
+@pytest.mark.parametrize("why", ["not donated", "a chain", "no fused form"])
+def test_auto_compiles_the_update_where_no_fused_kernel_applies(why):
+    """Not donated, a chain of two transformations, or an optimizer with no fused form
+    (sgd with dampening): "auto" compiles the update (two graphs), with the eager step's
+    results."""
+    net = mlp(seed=3)
+    apply_fn, params, _ = fmp.functional(net)
+    opt = {"no fused form": lambda: fmp.optim.sgd(0.05, momentum=0.9, dampening=0.5),
+           "a chain": lambda: fmp.optim.chain(fmp.optim.scale(0.5), fmp.optim.adamw(1e-2)),
+           "not donated": lambda: fmp.optim.adamw(1e-2)}[why]()
+    donate = why != "not donated"
+
+    def loss_fn(p, x, y):
+        out = apply_fn({k: v.float() for k, v in p.items()}, x)
+        return F.cross_entropy(out, y)
+
+    step = fmp.train_step(loss_fn, opt, "fp32", donate=donate)
+    x, y = blobs(64)
+    states = [fmp.TrainState.create(clone_tree(params), opt, None, donate=donate)
+              for _ in range(2)]
+    graphs = []
+    cstep = fmp.compile(step, update="auto", backend=_counting_backend(graphs))
+    s, ref = states
+    for _ in range(2):
+        s, m = cstep(s, x, y)
+        ref, ref_m = step(ref, x, y)
+    assert cstep.update_used == "compiled"
+    assert len(graphs) == 2, [g.code[:200] for g in graphs]
+    torch.testing.assert_close(s.params, ref.params, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(m["loss"], ref_m["loss"])
+
+
+def test_auto_is_compiled_for_a_whole_graph_step():
+    step, _, _, _ = _make()
+    cstep = fmp.compile(step, update="auto", whole_graph=True, backend="eager")
+    assert cstep.update_used == "compiled"
+
+
 @pytest.mark.cuda
 @pytest.mark.slow
-def test_in_a_cuda_graph_equal_to_the_eager_step():
+@pytest.mark.parametrize("update", ["eager", "auto"])
+def test_in_a_cuda_graph_equal_to_the_eager_step(update):
     """Captured whole (compiled loss, fused update): replays equal the eager donated step's
     states, the skipped step leaves everything as it was."""
     step, state, x, y = _make("cuda")
@@ -99,8 +158,9 @@ def test_in_a_cuda_graph_equal_to_the_eager_step():
     def factor(i):
         return torch.full((), float("inf") if i == 2 else 1.0, device="cuda")
 
-    graphed = fmp.cuda_graph(fmp.compile(step, update="eager"), state, x, y, factor(0),
-                             warmup=3)
+    cstep = fmp.compile(step, update=update)
+    graphed = fmp.cuda_graph(cstep, state, x, y, factor(0), warmup=3)
+    assert cstep.update_used == "eager"
     s = graphed.state
     for i in range(5):
         before = clone_tree(s)
