@@ -6,7 +6,8 @@
 #                                          # kernel breakdown amp vs fmp, float8 memory sites
 #   bash benchmarks/device_owed.sh compiled eager-rows breakdown f8mem   # parts, in one call
 #   (batched: the CUDA tests of the grouped buffer clone and select, fmp/_batched.py;
-#    graph: the six GPT-2 graph variants of issue 18, ~430 s)
+#    graph: the six GPT-2 graph variants of issue 18, ~430 s;
+#    f8upd: float8.py's eager-update fmp variants against torchao and amp bf16, F8_VARIANTS)
 # (tests = compiled + bisect + cuda; eager = eager-rows + breakdown + f8mem)
 # carry [".whl", "out"] (optree, torchao wheels; see the device README's Notes). Logs and JSON in $OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -54,10 +55,14 @@ timeout 90 python3 -m pytest $P -m cuda tests/test_batched_small.py tests/test_s
 breakdown)
 timeout 150 python3 benchmarks/breakdown.py --variants resnet:amp_fp16_eager,resnet:fmp_fp16_eager_donate --variant-timeout 70 --out $OUT/breakdown_resnet.json 2>&1 | grep -v DEBUG | tail -25
 ;;
+f8upd)
+# issue 19: the float8 step with the eager (fused, in-place) update against torchao and amp bf16
+(cd benchmarks && timeout $((590 - SECONDS)) python3 float8.py --variants ${F8_VARIANTS:-amp_bf16,torchao_tensorwise,fmp_fp8_dynamic_eagerupd,fmp_bf16_eagerupd,fmp_fp8_best_graph} --budget-s $((570 - SECONDS)) --json $OUT/f8upd.json 2>&1 | grep -v DEBUG | tail -30)
+;;
 f8mem)
 (cd benchmarks && timeout $((590 - SECONDS)) python3 float8.py --steps 4 --warmup 2 --variants amp_bf16,fmp_bf16 --memory-sites --budget-s $((560 - SECONDS)) --json $OUT/f8mem.json 2>&1 | grep -v DEBUG | tail -30)
 ;;
-*) echo "usage: $0 tests|eager|compiled|bisect|cuda|batched|graph|eager-rows|breakdown|f8mem ..."; exit 2 ;;
+*) echo "usage: $0 tests|eager|compiled|bisect|cuda|batched|graph|eager-rows|breakdown|f8mem|f8upd ..."; exit 2 ;;
 esac
 done
 exit $rc
