@@ -137,9 +137,8 @@ def _split_step(step: TrainStep, kwargs: dict[str, Any], loss_fullgraph: bool | 
     """A train step as two compiled graphs: the scaled loss (AOTAutograd splits its forward
     and backward; autograd runs the backward) and the update (unscale, check, optimizer,
     select, loss scale); with ``update="eager"`` the update phase runs uncompiled, with
-    ``"auto"`` as :func:`fmp.compile` says. ``resolved`` gets "compiled" or "eager" once
-    that is known."""
-    resolved = [] if resolved is None else resolved
+    ``"auto"`` as :func:`fmp.compile` says (``resolved``, if given, gets "compiled" or
+    "eager" on the first call)."""
     loss_c = _LossGraph(_own_code(step.scaled_loss), kwargs, loss_fullgraph)
 
     def compiled_update() -> Callable[..., Any]:
@@ -148,10 +147,8 @@ def _split_step(step: TrainStep, kwargs: dict[str, Any], loss_fullgraph: bool | 
 
     if update == "eager":
         update_c = step.update_phase
-        resolved.append("eager")
     elif update == "compiled":
         update_c = compiled_update()
-        resolved.append("compiled")
     else:  # "auto": decided on the first call, from the state it is given
         chosen: list[Callable[..., Any]] = []
 
@@ -159,7 +156,8 @@ def _split_step(step: TrainStep, kwargs: dict[str, Any], loss_fullgraph: bool | 
             if not chosen:
                 fused = step.fused_update is not None and step.fused_update(state)
                 chosen.append(step.update_phase if fused else compiled_update())
-                resolved.append("eager" if fused else "compiled")
+                if resolved is not None:
+                    resolved.append("eager" if fused else "compiled")
             return chosen[0](state, *rest)
 
     def run(state: Any, *batch: Any) -> Any:
@@ -221,8 +219,8 @@ class CompiledStep:
         call: the compiled ``(state, *batch) -> (state, metrics)`` it runs.
         update: ``"compiled"``, ``"eager"`` or ``"auto"``: how the two-graph step runs
             its update phase, as asked (see :func:`fmp.compile`).
-        resolved: what ``update`` came to (``["compiled"]`` or ``["eager"]``; empty until
-            the first call decides ``"auto"``); read it as :attr:`update_used`.
+        resolved: for ``"auto"``, what it came to (``["compiled"]`` or ``["eager"]``;
+            empty until the first call decides); read it as :attr:`update_used`.
 
     Example:
         >>> step = fmp.train_step(lambda p, x: (p["w"] * x).sum(), fmp.optim.sgd(0.1))
@@ -242,6 +240,8 @@ class CompiledStep:
         before the first call; ``"compiled"`` for ``whole_graph=True``, one graph)."""
         if self.whole_graph:
             return "compiled"
+        if self.update != "auto":
+            return self.update
         return self.resolved[0] if self.resolved else None
 
     def __call__(self, state: Any, *batch: Any) -> tuple[Any, dict[str, Any]]:
