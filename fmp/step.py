@@ -28,6 +28,7 @@ from fmp._step_trees import (
     split_batch,
     stack_aux,
     to_f32,
+    widens_exactly,
 )
 from fmp._step_type import GradReducer, TrainStep
 from fmp._train_state import TrainState
@@ -41,7 +42,7 @@ from fmp.optim import (
     update_in_place,
 )
 from fmp.policy import Policy, get_policy
-from fmp.tree import select_tree, to_dtypes_of
+from fmp.tree import all_finite, select_tree, to_dtypes_of
 
 __all__ = ["GradReducer", "TrainState", "TrainStep", "value_and_grad"]
 
@@ -181,9 +182,12 @@ def build_train_step(
         # grads of the compute copy go to their params' dtypes (the cast's backward): here
         # where the fused kernel or a reducer takes them; else in the unscale, whose check
         # reads them unconverted, so that compiled, the conversion fuses into the update
-        like = None
+        like = narrow = None
         if state.compute_params is not None and accumulate == 1:
             if reduce_grads is not None or (donate and eager_kernels_ok()):
+                if (reduce_grads is None and state.loss_scale._scale_or_none() is None
+                        and widens_exactly(grad_sum, state.params)):
+                    narrow = grad_sum  # nothing to unscale: check these (2 B a bf16 grad)
                 grad_sum = to_dtypes_of(grad_sum, state.params)
             else:
                 like = state.params
@@ -196,6 +200,8 @@ def build_train_step(
             check = lambda g: grads_finite((g, amaxes))  # noqa: E731
         elif amaxes is not None:
             f8_ok = _float8.amaxes_finite(amaxes)
+        if narrow is not None:  # the verdict of the widened grads, read before they widen
+            check = lambda g, _n=narrow: all_finite(_n)  # noqa: E731
         plan = (in_place_plan(optimizer, state.params, grad_sum, state.opt_state)
                 if donate else None)
         # what a grad could share storage with: what loss_fn sees (params or their copy,

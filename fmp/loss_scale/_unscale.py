@@ -225,10 +225,11 @@ class Unscaling:
 
         Those kernels divide the grads by a ``grad_scale`` on the way and write them, so
         the grads are first made the caller's own as with ``unscale_and_check(...,
-        in_place=True, protect=protect)``. Where the amp kernel takes them (and no
-        ``check`` is given) they are unscaled and checked in place in one pass and
-        ``grad_scale`` is None; otherwise they stay scaled, ``grad_scale`` is
-        :meth:`grad_divisor` (None when it is 1) and the verdict is a read-only check.
+        in_place=True, protect=protect)``. Where there is a divisor, the amp kernel takes
+        the grads and no ``check`` is given, they are unscaled and checked in place in one
+        pass and ``grad_scale`` is None; otherwise they stay scaled, ``grad_scale`` is
+        :meth:`grad_divisor` (None when it is 1: then nothing is written) and the verdict
+        is a read-only check.
 
         Args:
             grads: a pytree of gradient tensors, still multiplied by the scale.
@@ -254,11 +255,11 @@ class Unscaling:
         """
         k = _micro_batches(micro_batches)
         tree, leaves = _own(grads, protect)
-        if check is None:
+        divisor = self.grad_divisor(tree, micro_batches=k)
+        if check is None and divisor is not None:  # nothing to divide: a read-only check
             finite = self._one_pass(tree, leaves, k)
             if finite is not None:
                 return tree, None, finite
-        divisor = self.grad_divisor(tree, micro_batches=k)
         return tree, divisor, all_finite(tree) if check is None else check(tree)
 
     def unscale_and_check_(self, grads: Sequence[torch.Tensor],
