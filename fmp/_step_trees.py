@@ -79,28 +79,6 @@ def to_f32(g: Any) -> Any:
     return g.float() if isinstance(g, torch.Tensor) and g.is_floating_point() else g
 
 
-_EXACT_INTO = {torch.float32: (torch.float16, torch.bfloat16),
-               torch.float64: (torch.float16, torch.bfloat16, torch.float32)}
-
-
-def widens_exactly(tree: Any, like: Any) -> bool:
-    """Whether casting ``tree``'s floating leaves to ``like``'s dtypes changes no value.
-
-    True where each leaf keeps its dtype or widens (float16/bfloat16 to float32 or
-    float64, float32 to float64): then the cast keeps every finite value finite and every
-    inf and NaN as it was, so a finite check of ``tree`` is the check of the cast.
-    """
-    gs, ps = optree.tree_leaves(tree), optree.tree_leaves(like)
-    if len(gs) != len(ps):
-        return False
-    for g, p in zip(gs, ps, strict=True):
-        if isinstance(g, torch.Tensor) and g.is_floating_point() and isinstance(
-                p, torch.Tensor) and g.dtype != p.dtype and g.dtype not in _EXACT_INTO.get(
-                p.dtype, ()):
-            return False
-    return True
-
-
 def donate_into(old: Any, new: Any) -> Any:
     """Write ``new``'s tensor leaves into ``old``'s tensors in place; return ``old``'s tree.
 

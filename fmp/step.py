@@ -28,7 +28,6 @@ from fmp._step_trees import (
     split_batch,
     stack_aux,
     to_f32,
-    widens_exactly,
 )
 from fmp._step_type import GradReducer, TrainStep
 from fmp._train_state import TrainState
@@ -42,7 +41,7 @@ from fmp.optim import (
     update_in_place,
 )
 from fmp.policy import Policy, get_policy
-from fmp.tree import all_finite, select_tree, to_dtypes_of
+from fmp.tree import select_tree, to_dtypes_of
 
 __all__ = ["GradReducer", "TrainState", "TrainStep", "value_and_grad"]
 
@@ -182,12 +181,11 @@ def build_train_step(
         # grads of the compute copy go to their params' dtypes (the cast's backward): here
         # where the fused kernel or a reducer takes them; else in the unscale, whose check
         # reads them unconverted, so that compiled, the conversion fuses into the update
-        like = narrow = None
+        like = unconverted = None
         if state.compute_params is not None and accumulate == 1:
             if reduce_grads is not None or (donate and eager_kernels_ok()):
-                if (reduce_grads is None and state.loss_scale._scale_or_none() is None
-                        and widens_exactly(grad_sum, state.params)):
-                    narrow = grad_sum  # nothing to unscale: check these (2 B a bf16 grad)
+                if reduce_grads is None:  # the fused path's verdict may read these
+                    unconverted = grad_sum
                 grad_sum = to_dtypes_of(grad_sum, state.params)
             else:
                 like = state.params
@@ -200,8 +198,6 @@ def build_train_step(
             check = lambda g: grads_finite((g, amaxes))  # noqa: E731
         elif amaxes is not None:
             f8_ok = _float8.amaxes_finite(amaxes)
-        if narrow is not None:  # the verdict of the widened grads, read before they widen
-            check = lambda g, _n=narrow: all_finite(_n)  # noqa: E731
         plan = (in_place_plan(optimizer, state.params, grad_sum, state.opt_state)
                 if donate else None)
         # what a grad could share storage with: what loss_fn sees (params or their copy,
@@ -209,11 +205,13 @@ def build_train_step(
         seen = (state.params, state.compute_params, state.model_state, batch)
         if plan is not None:
             # One in-place pass unscales and checks the step's own grads (where the amp kernel
-            # cannot, a read-only check and the fused kernel divides by the scale); torch's
-            # fused kernel then updates params and moments in place, or skips on device.
+            # cannot, a read-only check and the fused kernel divides by the scale; with
+            # nothing to divide, a read-only check of the grads before their conversion);
+            # torch's fused kernel then updates params and moments in place, or skips.
             grads = grad_sum if reduce_grads is None else reduce_grads(grad_sum)
             grads, divisor, finite = state.loss_scale.unscale_for_fused(
-                grads, micro_batches=accumulate, protect=seen, check=check)
+                grads, micro_batches=accumulate, protect=seen, check=check,
+                read_from=unconverted)
             finite = finite if f8_ok is None else finite & f8_ok  # a saturated inf
             grads_ok, finite = finite, finite if lr_ok is None else finite & lr_ok
             opt_state = update_in_place(optimizer, state.params, grads, state.opt_state,

@@ -1,10 +1,10 @@
 """bf16-mixed, nothing to unscale: the donated fused step checks the bf16 grads it widens.
 
 The compute copy's grads are bfloat16; the fused kernel takes them widened to the float32
-params. With no loss scale and one micro-batch there is nothing to divide, so the verdict is
-read from the narrow grads (half the bytes) and no grad is written before the update. The
-widening is exact, so steps, skips and every record are bit for bit those of the check on
-the widened grads.
+params. With no loss scale and one micro-batch there is nothing to divide, so no grad is
+written before the update and the verdict is read from the grads before their conversion
+(half the bytes), exactly: steps, skips and every record are bit for bit those of the
+check on the widened grads.
 """
 
 from __future__ import annotations
@@ -15,21 +15,24 @@ import torch.nn.functional as F
 from helpers import ScaleGrad, assert_trees_bit_equal, blobs, mlp
 
 import fmp
-import fmp.step as fstep
-from fmp._step_trees import widens_exactly
+import fmp.loss_scale._unscale as unscale_mod
 
 BAD_AT = {2: float("inf"), 3: float("nan")}
 
 
-def _run(opt, monkeypatch=None, narrow=True, seen=None):
-    if monkeypatch is not None:
-        if not narrow:
-            monkeypatch.setattr(fstep, "widens_exactly", lambda g, p: False)
-        if seen is not None:
-            real = fstep.all_finite
-            monkeypatch.setattr(fstep, "all_finite",
-                                lambda t: seen.append({x.dtype for x in t.values()})
-                                or real(t))
+def _spy(mp, seen):
+    real = unscale_mod.finite_after_unscale
+    mp.setattr(unscale_mod, "finite_after_unscale",
+               lambda leaves, dts, s: seen.append({x.dtype for x in leaves}) or real(
+                   leaves, dts, s))
+
+
+def _run(opt, mp, narrow=True, seen=None):
+    if not narrow:  # the check of the widened grads themselves
+        mp.setattr(unscale_mod.Unscaling, "_finite",
+                   lambda self, g, like, out: fmp.all_finite(out))
+    if seen is not None:
+        _spy(mp, seen)
     x, y = blobs(32)
     apply_fn, params, _ = fmp.functional(mlp(seed=3))
 
@@ -71,8 +74,7 @@ def test_narrow_check_gives_the_same_steps_and_skips(opt, monkeypatch):
 def test_a_loss_scale_keeps_the_check_of_the_unscaled_grads(monkeypatch):
     """With a scale to divide by, the verdict is not read from the narrow grads."""
     seen: list[set] = []
-    real = fstep.all_finite
-    monkeypatch.setattr(fstep, "all_finite", lambda t: seen.append(1) or real(t))
+    _spy(monkeypatch, seen)
     x, y = blobs(16)
     apply_fn, params, _ = fmp.functional(mlp(seed=3))
     opt = fmp.optim.adamw(1e-2)
@@ -83,25 +85,32 @@ def test_a_loss_scale_keeps_the_check_of_the_unscaled_grads(monkeypatch):
     assert not seen and not bool(m["skipped"])
 
 
-@pytest.mark.parametrize(("grad", "param", "exact"), [
-    (torch.bfloat16, torch.float32, True), (torch.float16, torch.float32, True),
-    (torch.float32, torch.float64, True), (torch.bfloat16, torch.bfloat16, True),
-    (torch.float32, torch.float16, False), (torch.float32, torch.bfloat16, False),
-    (torch.float16, torch.bfloat16, False), (torch.bfloat16, torch.float16, False),
+@pytest.mark.parametrize(("grad", "param", "max_overflows"), [
+    (torch.bfloat16, torch.float32, False), (torch.float16, torch.float32, False),
+    (torch.float32, torch.float64, False), (torch.bfloat16, torch.bfloat16, False),
+    (torch.float32, torch.float16, True), (torch.float32, torch.bfloat16, True),
+    (torch.float16, torch.bfloat16, False), (torch.bfloat16, torch.float16, True),
 ])
-def test_widens_exactly(grad, param, exact):
-    g = {"a": torch.ones(2, dtype=grad), "n": torch.ones(1, dtype=torch.int64)}
-    p = {"a": torch.ones(2, dtype=param), "n": torch.ones(1, dtype=torch.int64)}
-    assert widens_exactly(g, p) is exact
-    assert widens_exactly({"a": g["a"]}, {"a": p["a"], "b": p["a"]}) is False
+def test_verdict_read_before_the_conversion_is_that_of_the_converted(grad, param,
+                                                                     max_overflows):
+    """Widening or narrowing: a value that overflows the target dtype is caught."""
+    for value in (torch.finfo(grad).max, 1.0, float("nan")):
+        source = {"a": torch.tensor([0.5, value], dtype=grad),
+                  "n": torch.ones(1, dtype=torch.int64)}
+        converted = {"a": source["a"].to(param), "n": source["n"]}
+        _, grad_scale, ok = fmp.NoOpLossScale().unscale_for_fused(converted,
+                                                                   read_from=source)
+        assert grad_scale is None
+        assert bool(ok) == bool(fmp.all_finite(converted))
+        if value == torch.finfo(grad).max:
+            assert bool(ok) is not max_overflows
 
 
-def test_unscale_for_fused_writes_nothing_without_a_divisor():
+def test_nothing_to_divide_writes_no_grad():
     grads = {"w": torch.tensor([1.0, -2.5, 3.0]), "b": torch.tensor([0.5])}
     versions = {k: v._version for k, v in grads.items()}
     out, grad_scale, ok = fmp.NoOpLossScale().unscale_for_fused(grads)
-    assert grad_scale is None and bool(ok)
+    assert grad_scale is None and bool(ok) and out["w"] is grads["w"]
     assert {k: v._version for k, v in grads.items()} == versions
-    assert out["w"] is grads["w"]
     bad = {"w": torch.tensor([1.0, float("nan")])}
     assert not bool(fmp.NoOpLossScale().unscale_for_fused(bad)[2])

@@ -220,6 +220,7 @@ class Unscaling:
 
     def unscale_for_fused(self, grads: T, *, micro_batches: int = 1, protect: Any = None,
                           check: Callable[[Any], torch.Tensor] | None = None,
+                          read_from: Any = None,
                           ) -> tuple[T, torch.Tensor | None, torch.Tensor]:
         """Grads for torch's fused optimizer kernels (``torch._fused_adamw_`` and kin).
 
@@ -229,7 +230,7 @@ class Unscaling:
         the grads and no ``check`` is given, they are unscaled and checked in place in one
         pass and ``grad_scale`` is None; otherwise they stay scaled, ``grad_scale`` is
         :meth:`grad_divisor` (None when it is 1: then nothing is written) and the verdict
-        is a read-only check.
+        is a read-only check (of ``read_from`` where given and nothing is divided).
 
         Args:
             grads: a pytree of gradient tensors, still multiplied by the scale.
@@ -238,6 +239,10 @@ class Unscaling:
             check: the verdict to use instead of :func:`fmp.all_finite` (e.g. one agreed
                 over data-parallel ranks); the grads then stay scaled (the one-pass
                 kernel's verdict is this process's only).
+            read_from: ``grads`` before their conversion to its dtypes (the grads of a
+                compute copy, e.g. bfloat16 for float32 params), or None. Where nothing
+                is divided and no ``check`` is given, the verdict on ``grads`` is read from
+                these (as :meth:`unscale_and_check` with ``like`` reads it): fewer bytes.
 
         Returns:
             ``(grads, grad_scale, finite)``: the grads to hand to the fused kernel, the
@@ -256,11 +261,15 @@ class Unscaling:
         k = _micro_batches(micro_batches)
         tree, leaves = _own(grads, protect)
         divisor = self.grad_divisor(tree, micro_batches=k)
-        if check is None and divisor is not None:  # nothing to divide: a read-only check
-            finite = self._one_pass(tree, leaves, k)
-            if finite is not None:
-                return tree, None, finite
-        return tree, divisor, all_finite(tree) if check is None else check(tree)
+        if check is not None:
+            return tree, divisor, check(tree)
+        if divisor is None:  # nothing to divide: a read-only check, of read_from if given
+            return tree, None, (all_finite(tree) if read_from is None
+                                else self._finite(read_from, tree, tree))
+        finite = self._one_pass(tree, leaves, k)
+        if finite is not None:
+            return tree, None, finite
+        return tree, divisor, all_finite(tree)
 
     def unscale_and_check_(self, grads: Sequence[torch.Tensor],
                            found_inf: torch.Tensor | None = None) -> torch.Tensor:
